@@ -93,7 +93,7 @@ class SyntheticFed:
         self.train_sizes = torch.full((case.clients,), float(case.samples))
 
     def batch(self, idx: torch.Tensor, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[idx], self.y[idx]
+        return self.x.index_select(0, idx), self.y.index_select(0, idx)
 
 
 Round = Callable[[int, np.ndarray], None]
@@ -137,7 +137,8 @@ def minimal_round(case: Case, fed: SyntheticFed, device: torch.device) -> Round:
                 perm = idx[torch.randperm(len(idx), device=device, generator=gen)]
                 for s in range(0, len(perm), case.batch):
                     b = perm[s : s + case.batch]
-                    loss = F.cross_entropy(model(fed.x[b]), fed.y[b])
+                    x, y = fed.batch(b)
+                    loss = F.cross_entropy(model(x), y)
                     opt.zero_grad()
                     loss.backward()
                     opt.step()

@@ -17,10 +17,11 @@ from fedbench.models import build_model
 CLIENTS = [0, 1, 2]  # TinyFed: 37, 20, 50 samples -> uneven step counts and partial batches
 
 
-def mlp(dim: int = 6, classes: int = 3, norm: nn.Module | None = None) -> nn.Module:
+def mlp(dim: int = 6, classes: int = 3, mid: nn.Module | None = None) -> nn.Module:
+    """A seeded 6-8-3 MLP; `mid` goes after the first layer."""
     torch.manual_seed(0)
-    mid = [norm] if norm is not None else []
-    return nn.Sequential(nn.Linear(dim, 8), *mid, nn.ReLU(), nn.Linear(8, classes))
+    extra = [mid] if mid is not None else []
+    return nn.Sequential(nn.Linear(dim, 8), *extra, nn.ReLU(), nn.Linear(8, classes))
 
 
 def assert_same(seq, vm) -> None:
@@ -154,9 +155,9 @@ def test_auto_rule(tiny_fed, caplog):
     assert conv_eng.backend_for(3) == "sequential"  # CPU: grouped convolutions are slow
     conv_eng.device = torch.device("cuda")  # the rule only: nothing runs there
     assert conv_eng.backend_for(3) == "vmap"
-    bn = Engine(tiny_fed, mlp(norm=nn.BatchNorm1d(8)), device="cpu", backend="vmap")
+    bn = Engine(tiny_fed, mlp(mid=nn.BatchNorm1d(8)), device="cpu", backend="vmap")
     assert bn.backend_for(3) == "sequential"  # running statistics: vmap would not match
-    drop = Engine(tiny_fed, mlp(norm=nn.Dropout(0.1)), device="cpu", backend="vmap")
+    drop = Engine(tiny_fed, mlp(mid=nn.Dropout(0.1)), device="cpu", backend="vmap")
     assert drop.backend_for(3) == "sequential"
     assert Engine(tiny_fed, mlp(), device="cpu", backend="vmap").backend_for(1) == "vmap"
     tiny_fed.augment = True  # vmap would read the augmentation stream in another order

@@ -62,10 +62,12 @@ class Federation:
         self._aug_gen = torch.Generator(device=self.device).manual_seed(seed) if augment else None
 
     def batch(self, idx: torch.Tensor, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.x[idx]
+        """The samples at pool positions `idx` (1-D)."""
+        # index_select: on CPU about twice as fast as advanced indexing for a row gather
+        x = self.x.index_select(0, idx)
         if train and self.augment:
             x = self._augment(x)
-        return x, self.y[idx]
+        return x, self.y.index_select(0, idx)
 
     def labels(self, client: int, which: str = "train") -> torch.Tensor:
         idx = self.train_idx[client] if which == "train" else self.test_idx[client]

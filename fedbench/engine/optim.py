@@ -97,7 +97,7 @@ def step_(
             d = g
         if active is not None:
             d = d * active
-        w.sub_(d * lr)
+        _descend(w, d, lr)
         return
     b1, b2 = cfg.betas
     m, v, step = state["m"], state["v"], state["step"]
@@ -116,4 +116,12 @@ def step_(
     d = (m / bc1) / ((v / bc2).sqrt() + cfg.eps)
     if active is not None:
         d = d * active
-    w.sub_(d * lr)
+    _descend(w, d, lr)
+
+
+def _descend(w: torch.Tensor, d: torch.Tensor, lr: float | torch.Tensor) -> None:
+    """w -= lr * d; one pass and no temporary when lr is a number (as torch.optim)."""
+    if isinstance(lr, torch.Tensor):
+        w.sub_(d * lr)
+    else:
+        w.add_(d, alpha=-lr)
