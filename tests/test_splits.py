@@ -142,6 +142,24 @@ def test_dir_per_client_exact_counts():
     assert all(len(p) == 120 for p in parts)
 
 
+def test_dir_per_client_prior():
+    """Dir(alpha * p) sums to alpha (near one class per client at 0.1); Dir(alpha * 1) puts
+    alpha on every class, so clients hold several classes."""
+
+    def effective_classes(prior: str) -> float:
+        parts = SPLITS.get("dir")(
+            Y10, 40, rng(), alpha=0.1, dir_mode="per_client", dir_prior=prior,
+            train_per_client=100,
+        )  # fmt: skip
+        share = class_counts(Y10, parts, 10) / 100
+        return float((1 / (share**2).sum(axis=1)).mean())
+
+    assert effective_classes("shares") < 1.5
+    assert effective_classes("ones") > 1.8
+    with pytest.raises(ConfigError, match="dir_prior"):
+        SPLITS.get("dir")(Y10, 4, rng(), dir_mode="per_client", dir_prior="flat")
+
+
 def test_practical_groups():
     tpc = 100
     parts = SPLITS.get("practical")(Y10, 20, rng(), train_per_client=tpc)

@@ -343,7 +343,7 @@ def _dir(name: str, alpha: float) -> Column:
         dataset=name,
         setting=f"dir{alpha}",
         match={"data": data, "split": "dir", "split.alpha": alpha, "participation": 1.0},
-        settings={**settings, "split.dir_mode": "per_client"},
+        settings={**settings, "split.dir_mode": "per_client", "split.dir_prior": "ones"},
     )
 
 
