@@ -96,6 +96,14 @@ def test_round0_is_cross_entropy_then_proximal_from_z_with_partial_participation
     torch.testing.assert_close(algo.w[[0, 2]], ref.states)
     torch.testing.assert_close(algo.w[1], w1[1])  # not sampled: unchanged
 
+    # start=own: the client trains its own w_i towards z_i (FedAMP's convention)
+    algo.hp.start = "own"
+    w2 = algo.w.clone()
+    z = mixing_matrix(w2[:, : eng.n_params], 0.5, 1.0)[[1, 2]].float() @ w2
+    algo.round(2, [1, 2])
+    ref = eng.train(w2[[1, 2]], [1, 2], terms=[Proximal(z, 2.0 / 0.5)], round=2, **kw)
+    torch.testing.assert_close(algo.w[[1, 2]], ref.states)
+
 
 @pytest.mark.quick
 def test_presets_compose_and_table3_is_the_6_6_8_practical_split():
