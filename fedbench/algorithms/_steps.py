@@ -3,9 +3,9 @@
 PLGU-LF's coupled personal + universal step, PLGU-GRep's three-pass body step, pFedMe's K
 inner steps per batch, Ditto's interleaved steps and pFedHN's clipped inner steps are all
 "gradient of some state on a batch, then an optimizer step on some state". This module is
-that, once, on the engine's public pieces: `Engine.schedule` (the same batches as
+that, once, on the engine's public pieces: `Engine.batches` (the same batches as
 `Engine.train` for the same round/client/salt), `Engine.load` + `Engine.grad_at_loaded`
-(the gradient lands in the engine's flat gradient buffer) and `optim.step_`/`init_state`.
+(the gradient lands in `Engine.grad`) and `optim.step_`/`init_state`.
 
 A state is a flat row [D] (parameters, then float buffers, `engine.spec`). `grad_at` writes
 buffers updated by the forward (BatchNorm running statistics) back into the state, so a
@@ -16,30 +16,12 @@ subtract eps.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from fedbench.engine import Engine, OptimConfig, Term
 from fedbench.engine.optim import init_state
-
-
-def batches(
-    engine: Engine,
-    client: int,
-    batch_size: int,
-    *,
-    epochs: int | None = None,
-    steps: int | None = None,
-    round: int = 0,
-    salt: int = 0,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The client's mini-batches (x, y): `Engine.schedule`'s, hence `Engine.train`'s."""
-    idx, lens = engine.schedule(
-        client, batch_size, epochs=epochs, steps=steps, round=round, salt=salt
-    )
-    for s, ln in enumerate(lens):
-        yield engine.fed.batch(idx[s, :ln])
 
 
 def grad_at(
@@ -53,7 +35,7 @@ def grad_at(
     rows=(),
 ) -> torch.Tensor:
     """Loss of `state` (evaluated at state + `at` when given) on (x, y); the gradient [P] is
-    then `loaded_grad(engine)`, valid until the next call. Updates `state`'s buffers."""
+    then `engine.grad`, valid until the next call. Updates `state`'s buffers."""
     P = engine.n_params
     if at is not None:
         state[:P].add_(at)
@@ -66,11 +48,6 @@ def grad_at(
         for e in engine.spec.buffers:
             state[e.start : e.stop] = buffers[e.name].reshape(-1)
     return loss
-
-
-def loaded_grad(engine: Engine) -> torch.Tensor:
-    """The gradient [P] left by the last `grad_at` (the engine's flat gradient buffer)."""
-    return engine._g
 
 
 def clip_(g: torch.Tensor, max_norm: float | None) -> torch.Tensor:

@@ -34,7 +34,7 @@ import math
 import numpy as np
 import torch
 
-from fedbench.algorithms._steps import ClientOptim, batches, grad_at, loaded_grad
+from fedbench.algorithms._steps import ClientOptim, grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.engine.optim import step_
 from fedbench.errors import ConfigError
@@ -77,9 +77,9 @@ class APPLE(Algorithm):
         reg = reg_schedule(t, self.L, self.hp.schedule) * float(self.hp.mu)
         eng.model.train()
         losses = []
-        for x, y in batches(eng, i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t):
+        for x, y in eng.batches(i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t):
             losses.append(grad_at(eng, p @ cores, x, y))
-            g = loaded_grad(eng)
+            g = eng.grad
             grad_p = cores[:, :P] @ g + reg * (p - self.p0)  # at the same point as g
             with torch.no_grad():
                 step_(self.optim, core, p[i] * g, ost, lr)

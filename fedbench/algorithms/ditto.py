@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedbench.algorithms._steps import ClientOptim, batches, grad_at, loaded_grad
+from fedbench.algorithms._steps import ClientOptim, grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.engine import Proximal
 from fedbench.engine.optim import step_
@@ -52,11 +52,11 @@ class Ditto(Algorithm):
         st_p = self.opt.state("personal", i, theta[:P])
         st_g = self.opt.state("main", i, w[:P])
         losses = []
-        for x, y in batches(eng, i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t):
+        for x, y in eng.batches(i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t):
             grad_at(eng, theta, x, y, terms=[prox], rows=[prox.rows(0)])
-            step_(self.optim, theta[:P], loaded_grad(eng), st_p, lr)
+            step_(self.optim, theta[:P], eng.grad, st_p, lr)
             losses.append(grad_at(eng, w, x, y))
-            step_(self.optim, w[:P], loaded_grad(eng), st_g, lr)
+            step_(self.optim, w[:P], eng.grad, st_g, lr)
         self.opt.keep("personal", i, st_p)
         self.opt.keep("main", i, st_g)
         return theta, w, torch.stack(losses).mean()

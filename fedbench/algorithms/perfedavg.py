@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedbench.algorithms._steps import ClientOptim, batches, grad_at, loaded_grad
+from fedbench.algorithms._steps import ClientOptim, grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.engine.optim import step_
 
@@ -49,16 +49,16 @@ class PerFedAvg(Algorithm):
         theta = self.w.clone()
         ost = self.opt.state("outer", i, theta[:P])
         alpha, beta = float(self.hp.alpha), float(self.hp.beta) * self.optim.lr_decay**t
-        stream = batches(eng, i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t)
+        stream = eng.batches(i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t)
         losses = []
         for (x1, y1), (x2, y2) in zip(stream, stream):  # consecutive pairs (D, D')
             grad_at(eng, theta, x1, y1)
             inner = theta.clone()
-            inner[:P] -= alpha * loaded_grad(eng)  # theta'
+            inner[:P] -= alpha * eng.grad  # theta'
             losses.append(grad_at(eng, inner, x2, y2))
             theta[P:] = inner[P:]  # buffers as the two forwards left them
             with torch.no_grad():
-                step_(self.optim, theta[:P], loaded_grad(eng), ost, beta)
+                step_(self.optim, theta[:P], eng.grad, ost, beta)
         self.opt.keep("outer", i, ost)
         loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
         return theta, loss
@@ -69,9 +69,9 @@ class PerFedAvg(Algorithm):
         out = self.w.repeat(self.N, 1)
         eng.model.train()
         for i in range(self.N):
-            for x, y in batches(eng, i, self.cfg.batch_size, steps=1, round=t, salt=PERSONAL_SALT):
+            for x, y in eng.batches(i, self.cfg.batch_size, steps=1, round=t, salt=PERSONAL_SALT):
                 grad_at(eng, out[i], x, y)
-                out[i, :P] -= float(self.hp.alpha) * loaded_grad(eng)
+                out[i, :P] -= float(self.hp.alpha) * eng.grad
         return out
 
     def round(self, t: int, clients: np.ndarray) -> dict:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedbench.algorithms._steps import batches, clip_, grad_at, loaded_grad
+from fedbench.algorithms._steps import clip_, grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.engine import ModelSpec, OptimConfig
 from fedbench.engine.optim import init_state, step_
@@ -158,9 +158,9 @@ class PFedHN(Algorithm):
         epochs = self.hp.inner_epochs
         sched = {"epochs": int(epochs)} if epochs else {"steps": int(self.hp.inner_steps)}
         losses = []
-        for x, y in batches(self.engine, i, self.cfg.batch_size, round=t, **sched):
+        for x, y in self.engine.batches(i, self.cfg.batch_size, round=t, **sched):
             losses.append(grad_at(self.engine, s, x, y))
-            g = clip_(loaded_grad(self.engine), self.hp.inner_clip)
+            g = clip_(self.engine.grad, self.hp.inner_clip)
             step_(self.inner_optim, s[:P], g, st, self.inner_optim.lr)
         delta = (s0[:P] - s[:P])[self.gen_mask]
         self.heads[i] = s[self.personal_entries]

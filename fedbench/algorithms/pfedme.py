@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedbench.algorithms._steps import batches, grad_at, loaded_grad
+from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.models.base import check_choice
 
@@ -47,10 +47,10 @@ class PFedMe(Algorithm):
         w = self.w.clone()
         theta = w.clone()
         losses = []
-        for x, y in batches(eng, i, self.cfg.batch_size, steps=int(self.hp.local_rounds), round=t):
+        for x, y in eng.batches(i, self.cfg.batch_size, steps=int(self.hp.local_rounds), round=t):
             for _ in range(int(self.hp.inner_steps)):
                 losses.append(grad_at(eng, theta, x, y))
-                g = loaded_grad(eng).add(theta[:P] - w[:P], alpha=lam)
+                g = eng.grad.add(theta[:P] - w[:P], alpha=lam)
                 theta[:P].sub_(g, alpha=lr_p)
             w[:P].sub_(w[:P] - theta[:P], alpha=eta * lam)
             w[P:] = theta[P:]  # float buffers (BatchNorm statistics) follow the forward

@@ -45,7 +45,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedbench.algorithms._steps import ClientOptim, batches, grad_at, loaded_grad
+from fedbench.algorithms._steps import ClientOptim, grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.algorithms.fedrep import FedRep
 from fedbench.algorithms.pfedhn import PFedHN
@@ -113,16 +113,16 @@ class PLGULF(Algorithm):
         st_p = self.opt.state("personal", i, theta[:P])
         st_u = self.opt.state("universal", i, w[:P])
         losses = []
-        for x, y in batches(eng, i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t):
+        for x, y in eng.batches(i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t):
             losses.append(grad_at(eng, theta, x, y))  # (a) g = grad F_b(theta_i)
-            g = loaded_grad(eng)
+            g = eng.grad
             eps = sam.perturbation(g, sam.scale)  # (b) eps from the same g
             step_(self.optim, theta[:P], g, st_p, lr)  # (a) theta_i <- theta_i - eta g
             if self.hp.ascent_grad == "universal":  # (b) instead: ascent gradient at w_i (SAM)
                 grad_at(eng, w, x, y)
-                eps = sam.perturbation(loaded_grad(eng), sam.scale)
+                eps = sam.perturbation(eng.grad, sam.scale)
             grad_at(eng, w, x, y, at=eps)  # (c) g~ = grad F_b(w_i + eps)
-            step_(self.optim, w[:P], loaded_grad(eng), st_u, lr)  # w_i <- w_i - eta g~
+            step_(self.optim, w[:P], eng.grad, st_u, lr)  # w_i <- w_i - eta g~
         self.opt.keep("personal", i, st_p)
         self.opt.keep("universal", i, st_u)
         return theta, w, torch.stack(losses).mean()
@@ -164,7 +164,7 @@ class PLGUGRep(FedRep):
         """phi <- phi - eta g with the last gradient: one step of the run's optimizer from a
         fresh state (SGD: eta (g + wd phi)), on the body only."""
         P = self.engine.n_params
-        g = loaded_grad(self.engine)
+        g = self.engine.grad
         step_(self.optim, s[:P], g, init_state(self.optim, s[:P]), lr, mask=self.body_mask)
 
     def body_phase(self, states: torch.Tensor, clients, t: int) -> TrainResult:
@@ -178,12 +178,12 @@ class PLGUGRep(FedRep):
             if self.uploaded is not None and not self.uploaded[i].isnan().any():
                 ref = self.uploaded[i]
             steps = int(self.hp.body_steps)
-            for x, y in batches(eng, i, self.cfg.batch_size, steps=steps, round=t, salt=2):
+            for x, y in eng.batches(i, self.cfg.batch_size, steps=steps, round=t, salt=2):
                 losses.append(grad_at(eng, s, x, y))  # eq. 11: phi_i = phi - eta g
                 self.body_step(s, lr)
                 xi = normalize_scores(layer_scores(s, ref, self.body_layers), self.rule)  # eq. 10
                 grad_at(eng, s, x, y)  # eq. 12: eps from the body gradient at phi_i
-                eps = lwsam_perturbation(loaded_grad(eng) * body, xi, self.body_layers, rho)
+                eps = lwsam_perturbation(eng.grad * body, xi, self.body_layers, rho)
                 grad_at(eng, s, x, y, at=eps)  # eq. 13: phi~_i = phi_i - eta g(phi_i + eps)
                 self.body_step(s, lr)
             if self.uploaded is not None:

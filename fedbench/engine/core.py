@@ -19,7 +19,7 @@ GPU's fast path. `Engine.backend_for` picks it or the sequential one per call; s
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,6 +158,24 @@ class Engine:
         pos = torch.stack(rows[:need]).to(self.device)
         return pool[pos], lens[:need]
 
+    def batches(
+        self,
+        client: int,
+        batch_size: int,
+        *,
+        epochs: int | None = None,
+        steps: int | None = None,
+        round: int = 0,
+        salt: int = 0,
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The client's mini-batches (x, y) in `schedule` order: the ones `train` steps
+        through, for hand-written loops that need the same batches."""
+        idx, lens = self.schedule(
+            client, batch_size, epochs=epochs, steps=steps, round=round, salt=salt
+        )
+        for s, ln in enumerate(lens):
+            yield self.fed.batch(idx[s, :ln])
+
     # ------------------------------------------------------------------ backends
     def _vmap_blocker(self) -> str | None:
         """Why this model cannot go through the vmap backend and match sequential, if so."""
@@ -266,6 +284,11 @@ class Engine:
         self._g.add_(g)
         return val.detach()
 
+    @property
+    def grad(self) -> torch.Tensor:
+        """The flat gradient [P] the last `grad_at_loaded` left (the module's .grad views)."""
+        return self._g
+
     def grad_at_loaded(
         self,
         x: torch.Tensor,
@@ -275,7 +298,7 @@ class Engine:
         objective: Objective | None = None,
         c: int = 0,
     ) -> torch.Tensor:
-        """Loss of the loaded model on (x, y) (+ terms); its gradient lands in `self._g`.
+        """Loss of the loaded model on (x, y) (+ terms); its gradient lands in `self.grad`.
 
         `objective(model, x, y, c)` replaces the cross-entropy (FedProto's prototype loss,
         FedRoD's two heads ...); `c` is the client's position in the train call.
@@ -350,12 +373,12 @@ class Engine:
             scale = None
             if sam is not None and sam.scale is not None:
                 scale = sam.scale[c] if sam.scale.dim() == 2 else sam.scale
-            idx, lens = self.schedule(
-                client, batch_size, epochs=epochs, steps=steps, round=round, salt=salt
-            )
             total = torch.zeros((), device=self.device)
-            for s, ln in enumerate(lens):
-                x, y = self.fed.batch(idx[s, :ln])
+            n = 0
+            for x, y in self.batches(
+                client, batch_size, epochs=epochs, steps=steps, round=round, salt=salt
+            ):
+                n += 1
                 total += self.grad_at_loaded(x, y, terms, rows, objective, c)
                 if sam is not None:
                     e = sam.perturbation(g, scale)
@@ -370,8 +393,8 @@ class Engine:
                     step_(optim, w, g, ost, lr, mask=mask)
             self._save_opt_state(optim, slot, client, ost)
             out[c] = self._flat
-            n_steps.append(len(lens))
-            losses[c] = total / max(len(lens), 1)
+            n_steps.append(n)
+            losses[c] = total / max(n, 1)
         return TrainResult(out, losses, n_steps)
 
     # ------------------------------------------------------------------ evaluation
