@@ -74,6 +74,23 @@ SMALL_FMNIST = [
 ]
 
 
+def make_algo(algo: str, extra=(), fed=None, lr: float | None = 0.1):
+    """Algorithm `algo` on TinyFed (3 clients with 37, 20, 50 samples, 6 features, 3
+    classes), an MLP 6-8-3, batch 8, 1 epoch, optimizer lr `lr` (None: the config's).
+    Returns (algorithm, engine, federation)."""
+    from fedbench.algorithms import ALGORITHMS
+    from fedbench.engine import Engine
+    from fedbench.models import build_model
+
+    fed = fed or TinyFed()
+    lr_override = [] if lr is None else [f"optim.lr={lr}"]
+    cfg = compose([f"algo={algo}", "batch_size=8", *lr_override, *extra])
+    torch.manual_seed(0)
+    model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8])  # noqa: E731
+    eng = Engine(fed, model_fn(), device="cpu")
+    return ALGORITHMS.get(algo)(cfg, fed, eng, model_fn), eng, fed
+
+
 def run_small(tmp_path, overrides: list[str], rounds: int = 5):
     """Run on SMALL_FMNIST (+ overrides) in tmp_path; returns (summary, Run)."""
     from fedbench.runner import Run

@@ -9,27 +9,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import TinyFed, compose, run_small
-from fedbench.algorithms import ALGORITHMS
+from conftest import make_algo as make
+from conftest import run_small
 from fedbench.algorithms._shared import class_means
 from fedbench.algorithms.apple import reg_schedule
 from fedbench.algorithms.fedamp import attention_weights
 from fedbench.algorithms.fedcac import collaborators, critical_masks, overlap
 from fedbench.algorithms.fedproto import aggregate_prototypes, nearest_prototype
 from fedbench.algorithms.fedrod import TwoHeadModel, rod_loss
-from fedbench.engine import Engine, ModelSpec
+from fedbench.engine import ModelSpec
 from fedbench.models import build_model
-
-
-def make(algo: str, extra=()):
-    """Algorithm `algo` on TinyFed (3 clients with 37, 20, 50 samples, 6 features, 3
-    classes), an MLP 6-8-3, SGD lr 0.1, batch 8, 1 epoch."""
-    fed = TinyFed()
-    cfg = compose([f"algo={algo}", "batch_size=8", "optim.lr=0.1", *extra])
-    torch.manual_seed(0)
-    model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8])  # noqa: E731
-    eng = Engine(fed, model_fn(), device="cpu")
-    return ALGORITHMS.get(algo)(cfg, fed, eng, model_fn), eng, fed
 
 
 def spread(rows: torch.Tensor, scale: float = 0.3, seed: int = 1) -> None:

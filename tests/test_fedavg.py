@@ -5,19 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TinyFed, compose, run_small
-from fedbench.algorithms import ALGORITHMS
-from fedbench.engine import Engine
-from fedbench.models import build_model
-
-
-def make(algo: str, extra=()):
-    fed = TinyFed()
-    cfg = compose([f"algo={algo}", "batch_size=8", "optim.lr=0.1", *extra])
-    torch.manual_seed(0)
-    model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8])  # noqa: E731
-    eng = Engine(fed, model_fn(), device="cpu")
-    return ALGORITHMS.get(algo)(cfg, fed, eng, model_fn), eng, fed
+from conftest import make_algo as make
+from conftest import run_small
 
 
 @pytest.mark.quick

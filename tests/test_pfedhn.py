@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TinyFed, compose
-from fedbench.algorithms import ALGORITHMS
-from fedbench.engine import Engine
+from conftest import make_algo
 from fedbench.errors import ConfigError
 from fedbench.models import build_model
 from fedbench.models.hypernet import HyperNetwork, hypernet_size, select_targets
@@ -17,12 +15,7 @@ pytestmark = pytest.mark.quick
 
 
 def make(algo: str = "pfedhn", extra=()):
-    fed = TinyFed()
-    cfg = compose([f"algo={algo}", "batch_size=8", *extra])
-    torch.manual_seed(0)
-    model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8])  # noqa: E731
-    eng = Engine(fed, model_fn(), device="cpu")
-    return ALGORITHMS.get(algo)(cfg, fed, eng, model_fn)
+    return make_algo(algo, extra, lr=None)[0]
 
 
 def test_vjp_is_the_gradient_of_theta_dot_delta():

@@ -11,22 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TinyFed, compose, run_small
-from fedbench.algorithms import ALGORITHMS
+from conftest import TinyFed, compose, make_algo, run_small
 from fedbench.cli import CONF_DIR
-from fedbench.engine import Engine
 from fedbench.errors import ConfigError
 from fedbench.models import build_model
 from fedbench.models.hypernet import hypernet_size, select_targets
 
 
 def make(algo: str, extra=(), fed=None):
-    fed = fed or TinyFed()
-    cfg = compose([f"algo={algo}", "batch_size=8", "optim.lr=0.1", *extra])
-    torch.manual_seed(0)
-    model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8])  # noqa: E731
-    eng = Engine(fed, model_fn(), device="cpu")
-    return ALGORITHMS.get(algo)(cfg, fed, eng, model_fn)
+    return make_algo(algo, extra, fed)[0]
 
 
 def loss_fn(algo, x, y):
