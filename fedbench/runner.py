@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 import fedbench
 from fedbench.algorithms import ALGORITHMS
+from fedbench.algorithms.params import check_params
 from fedbench.data.federation import Federation
 from fedbench.data.sources import load_dataset
 from fedbench.data.splits import eval_sets, make_partition
@@ -86,6 +87,8 @@ class Run:
         self.out = Path(out_dir)
         self.progress = progress
         validate(cfg)
+        algo_cls = ALGORITHMS.get(str(cfg.algo.name))
+        check_params(cfg.algo, algo_cls.Params, str(cfg.algo.name))
         self.device = resolve_device(str(cfg.device))
         seed = int(cfg.seed)
         dcfg = _plain(cfg.data)
@@ -198,6 +201,7 @@ class Run:
                 summ = summaries(res)
                 row = {"round": t + 1, "wall_time_s": time.perf_counter() - t0, "train_loss": loss}
                 row.update(comm)
+                row.update(diagnostics(info))
                 row.update(_flatten(summ))
                 st["metric_rows"].append(row)
                 st["client_rows"].append(_client_frame(t + 1, res))
@@ -266,6 +270,23 @@ class Run:
         )
         frames = pd.concat(st["client_rows"], ignore_index=True)
         atomic_write_text(self.out / "clients.csv", frames.to_csv(index=False))
+
+
+ROUND_KEYS = ("train_loss", "bytes_up", "bytes_down")
+
+
+def diagnostics(info: dict) -> dict:
+    """The scalars a round reports beyond loss and bytes (FedPG's QP fallbacks, FedSLR's
+    ranks ...), as metrics.csv columns. Counters are cumulative on the algorithm's side."""
+    out = {}
+    for k, v in info.items():
+        if k in ROUND_KEYS:
+            continue
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            out[k] = v
+    return out
 
 
 def _key(s: dict) -> float:

@@ -7,7 +7,7 @@ import pkgutil
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 
 for _m in pkgutil.iter_modules(__path__):
-    if not _m.name.startswith("_") and _m.name != "base":
+    if not _m.name.startswith("_") and _m.name not in ("base", "params"):
         importlib.import_module(f"{__name__}.{_m.name}")
 
 __all__ = ["ALGORITHMS", "Algorithm"]

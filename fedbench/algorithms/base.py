@@ -24,6 +24,14 @@ class Algorithm:
     checkpoints) and implement `round`, `personal_states` and/or `global_state`. A per-client
     predictor reported beside the personalized one (FedProto's classifier head next to its
     nearest-prototype rule) is named in `extra_kinds` and scored by `extra_correct`.
+
+    `Params` is the dataclass of the algorithm's hyperparameters (`params.py`): the keys of
+    its YAML with their types and ranges, checked before the run starts.
+
+    Uploads: every tensor a client sends the server passes through `receive` where the
+    server gets it; that is the one place where malicious clients (`attack.*`) act. An
+    algorithm that routes its uploads through `receive` sets `attackable = True`; a run with
+    an attack on any other algorithm stops with one line.
     """
 
     name: ClassVar[str] = ""
@@ -31,6 +39,8 @@ class Algorithm:
     has_global: ClassVar[bool] = False
     state_keys: ClassVar[tuple[str, ...]] = ()
     extra_kinds: ClassVar[tuple[str, ...]] = ()
+    Params: ClassVar[type | None] = None  # every algorithm declares one (tests/test_params.py)
+    attackable: ClassVar[bool] = False
 
     def __init__(self, cfg, fed, engine: Engine, model_fn) -> None:
         self.cfg = cfg
@@ -41,6 +51,7 @@ class Algorithm:
         self.optim = OptimConfig.from_cfg(cfg.optim)
         self.device = engine.device
         self.N = fed.num_clients
+        self.attack = None  # set by the runner when attack.kind != none (fedbench.attack)
 
     # ------------------------------------------------------------------ training helpers
     def local_train(self, states: torch.Tensor, clients, t: int, **kw: Any) -> TrainResult:
@@ -68,6 +79,27 @@ class Algorithm:
             "bytes_down": (c * D if down is None else down) * FLOAT_BYTES,
         }
 
+    def receive(
+        self,
+        uploads: torch.Tensor,
+        clients,
+        *,
+        ref: torch.Tensor | None = None,
+        kind: str = "model",
+    ) -> torch.Tensor:
+        """What the server receives of the rows `uploads` [C, ...] sent by `clients`.
+
+        `kind`: "model" (a state trained from `ref`, the model the server sent), "grad" (a
+        gradient or pseudo-gradient; `ref` = the point it was taken at, if any) or "other"
+        (prototypes, scores ...). Honest clients' rows come back unchanged; malicious
+        clients' rows are replaced as `attack.kind` says.
+        """
+        if self.attack is None:
+            return uploads
+        return self.attack.apply(
+            uploads, clients, ref=ref, kind=kind, n_params=self.engine.n_params
+        )
+
     # ------------------------------------------------------------------ the contract
     def round(self, t: int, clients: np.ndarray) -> dict:
         raise NotImplementedError
@@ -80,8 +112,13 @@ class Algorithm:
         """[D]: the global model, for scheme-I algorithms."""
         return None
 
+    def personal_state(self, i: int) -> torch.Tensor:
+        """[D]: client i's deployed model. Override where `personal_states` builds rows: an
+        evaluation reads one client at a time and must never build all N models."""
+        return self.personal_states()[i]
+
     def personal_correct(self, i: int, idx: torch.Tensor) -> torch.Tensor:
-        return self.engine.correct(self.personal_states()[i], idx)
+        return self.engine.correct(self.personal_state(i), idx)
 
     def global_correct(self, idx: torch.Tensor) -> torch.Tensor:
         return self.engine.correct(self.global_state(), idx)
@@ -91,7 +128,7 @@ class Algorithm:
         raise NotImplementedError(f"{self.name} declares no predictor {kind!r}")
 
     def personal_model(self, i: int) -> nn.Module:
-        return self.engine.to_module(self.personal_states()[i], self.model_fn())
+        return self.engine.to_module(self.personal_state(i), self.model_fn())
 
     def global_model(self) -> nn.Module | None:
         g = self.global_state()

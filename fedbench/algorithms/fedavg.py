@@ -11,16 +11,30 @@ w, as FedPG's appendix and FedRoD do; a client not yet sampled deploys w.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.params import Weighting, nonneg
 from fedbench.engine import Proximal
+
+
+@dataclass
+class FedAvgParams:
+    weighting: Weighting
+
+
+@dataclass
+class FedProxParams(FedAvgParams):
+    mu: float = nonneg()
 
 
 @ALGORITHMS.register("fedavg")
 class FedAvg(Algorithm):
     name = "fedavg"
+    Params = FedAvgParams
     has_global = True
     state_keys = ("w", "theta", "seen")
 
@@ -51,6 +65,7 @@ class FedAvg(Algorithm):
 @ALGORITHMS.register("fedprox")
 class FedProx(FedAvg):
     name = "fedprox"
+    Params = FedProxParams
 
     def terms(self) -> list:
         return [Proximal(self.w, self.hp.mu)]
