@@ -156,3 +156,76 @@ def test_adam_step_masks_inactive_rows():
     step_(cfg, w, torch.ones(2, 3), st, 0.1, active=active)
     assert torch.equal(w[1], torch.ones(3)) and st["step"][1].item() == 0
     torch.testing.assert_close(w[0], torch.full((3,), 0.9))
+
+
+@pytest.mark.parametrize(
+    "okw",
+    [
+        dict(name="sgd", momentum=0.9),
+        dict(name="sgd", momentum=0.9, nesterov=True, weight_decay=0.1),
+        dict(name="adam"),
+        dict(name="adam", weight_decay=0.1),
+    ],
+)
+@pytest.mark.parametrize("stacked", [False, True])
+def test_mask_freezes_entries_and_their_state_whatever_the_kept_state(okw, stacked):
+    """Momentum / Adam moments left by a phase that trained an entry never move it once it
+    is masked (issue 14.4), and its state waits unchanged until it trains again."""
+    cfg = OptimConfig(lr=0.1, **okw)
+    torch.manual_seed(0)
+    shape = (2, 5) if stacked else (5,)
+    w = torch.randn(shape)
+    st = init_state(cfg, w)
+    for _ in range(3):  # a first phase trains everything: non-zero state everywhere
+        step_(cfg, w, torch.randn(shape), st, 0.1)
+    mask = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0])
+    frozen = ~mask.bool()
+    w0, st0 = w.clone(), {k: v.clone() for k, v in st.items()}
+    step_(cfg, w, torch.randn(shape), st, 0.1, mask=mask)
+    assert torch.equal(w[..., frozen], w0[..., frozen])
+    assert (w[..., ~frozen] != w0[..., ~frozen]).all()
+    for k in ("buf", "m", "v"):
+        if k in st:
+            assert torch.equal(st[k][..., frozen], st0[k][..., frozen])
+
+
+def bn_mlp(dim=6, classes=3):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(dim, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, classes))
+
+
+def test_grad_at_trains_after_an_evaluation_and_returns_its_own_gradient(tiny_fed):
+    """An evaluation leaves the module in eval mode; a hand-written step (`_steps.grad_at`)
+    still normalizes with the batch and updates the running statistics (issue 14.1)."""
+    from fedbench.algorithms._steps import grad_at
+
+    eng = Engine(tiny_fed, bn_mlp(), device="cpu")
+    s = eng.initial_state()
+    P = eng.n_params
+    x, y = tiny_fed.batch(torch.arange(8))
+    eng.correct(s, tiny_fed.test_idx[0])  # eval mode now
+    ref = bn_mlp()
+    ref.load_state_dict(bn_mlp().state_dict())
+    ref.train()
+    nn.functional.cross_entropy(ref(x), y).backward()
+    want = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+    before = s[P:].clone()
+    loss, g = grad_at(eng, s, x, y)
+    assert eng.model.training
+    torch.testing.assert_close(g, want)
+    assert not torch.equal(s[P:], before)  # running statistics moved
+    torch.testing.assert_close(s[P:], eng.spec.flatten(ref)[P:])
+    g2 = grad_at(eng, s, x[:4], y[:4])[1]
+    torch.testing.assert_close(g, want)  # not overwritten by the next call
+    assert not torch.equal(g, g2)
+
+
+def test_engine_train_after_an_evaluation_updates_running_statistics(tiny_fed):
+    eng = Engine(tiny_fed, bn_mlp(), device="cpu")
+    s = eng.initial_state()
+    opt = OptimConfig(lr=0.1)
+    a = eng.train(s, [0, 1], optim=opt, lr=0.1, batch_size=8, epochs=1).states
+    eng.correct(s, tiny_fed.test_idx[0])
+    b = eng.train(s, [0, 1], optim=opt, lr=0.1, batch_size=8, epochs=1).states
+    assert torch.equal(a, b)
+    assert not torch.equal(a[:, eng.n_params :], s[eng.n_params :].expand(2, -1))

@@ -5,7 +5,7 @@ inner steps per batch, Ditto's interleaved steps and pFedHN's clipped inner step
 "gradient of some state on a batch, then an optimizer step on some state". This module is
 that, once, on the engine's public pieces: `Engine.batches` (the same batches as
 `Engine.train` for the same round/client/salt), `Engine.load` + `Engine.grad_at_loaded`
-(the gradient lands in `Engine.grad`) and `optim.step_`/`init_state`.
+(training mode, as every training step) and `optim.step_`/`init_state`.
 
 A state is a flat row [D] (parameters, then float buffers, `engine.spec`). `grad_at` writes
 buffers updated by the forward (BatchNorm running statistics) back into the state, so a
@@ -33,9 +33,11 @@ def grad_at(
     at: torch.Tensor | None = None,
     terms: Sequence[Term] = (),
     rows=(),
-) -> torch.Tensor:
-    """Loss of `state` (evaluated at state + `at` when given) on (x, y); the gradient [P] is
-    then `engine.grad`, valid until the next call. Updates `state`'s buffers."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, gradient [P]) of `state` (evaluated at state + `at` when given) on (x, y), in
+    training mode (BatchNorm on the batch's statistics, dropout on), whatever an evaluation
+    left. The gradient is a tensor of its own (not the engine's buffer, which the next call
+    overwrites). Updates `state`'s buffers (running statistics) as the forward did."""
     P = engine.n_params
     if at is not None:
         state[:P].add_(at)
@@ -47,7 +49,7 @@ def grad_at(
         buffers = dict(engine.model.named_buffers())
         for e in engine.spec.buffers:
             state[e.start : e.stop] = buffers[e.name].reshape(-1)
-    return loss
+    return loss, engine.grad.clone()
 
 
 def clip_(g: torch.Tensor, max_norm: float | None) -> torch.Tensor:

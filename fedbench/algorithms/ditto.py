@@ -53,10 +53,11 @@ class Ditto(Algorithm):
         st_g = self.opt.state("main", i, w[:P])
         losses = []
         for x, y in eng.batches(i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t):
-            grad_at(eng, theta, x, y, terms=[prox], rows=[prox.rows(0)])
-            step_(self.optim, theta[:P], eng.grad, st_p, lr)
-            losses.append(grad_at(eng, w, x, y))
-            step_(self.optim, w[:P], eng.grad, st_g, lr)
+            _, g = grad_at(eng, theta, x, y, terms=[prox], rows=[prox.rows(0)])
+            step_(self.optim, theta[:P], g, st_p, lr)
+            loss, g = grad_at(eng, w, x, y)
+            losses.append(loss)
+            step_(self.optim, w[:P], g, st_g, lr)
         self.opt.keep("personal", i, st_p)
         self.opt.keep("main", i, st_g)
         return theta, w, torch.stack(losses).mean()

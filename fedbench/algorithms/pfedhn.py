@@ -159,8 +159,9 @@ class PFedHN(Algorithm):
         sched = {"epochs": int(epochs)} if epochs else {"steps": int(self.hp.inner_steps)}
         losses = []
         for x, y in self.engine.batches(i, self.cfg.batch_size, round=t, **sched):
-            losses.append(grad_at(self.engine, s, x, y))
-            g = clip_(self.engine.grad, self.hp.inner_clip)
+            loss, g = grad_at(self.engine, s, x, y)
+            losses.append(loss)
+            clip_(g, self.hp.inner_clip)
             step_(self.inner_optim, s[:P], g, st, self.inner_optim.lr)
         delta = (s0[:P] - s[:P])[self.gen_mask]
         self.heads[i] = s[self.personal_entries]

@@ -56,8 +56,9 @@ class PFedMe(Algorithm):
         )
         for x, y in batches:
             for _ in range(int(self.hp.inner_steps)):
-                losses.append(grad_at(eng, theta, x, y))
-                g = eng.grad.add(theta[:P] - w[:P], alpha=lam)
+                loss, g = grad_at(eng, theta, x, y)
+                losses.append(loss)
+                g.add_(theta[:P] - w[:P], alpha=lam)
                 theta[:P].sub_(g, alpha=lr_p)
             w[:P].sub_(w[:P] - theta[:P], alpha=eta * lam)
             w[P:] = theta[P:]  # float buffers (BatchNorm statistics) follow the forward

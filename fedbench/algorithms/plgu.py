@@ -114,15 +114,14 @@ class PLGULF(Algorithm):
         st_u = self.opt.state("universal", i, w[:P])
         losses = []
         for x, y in eng.batches(i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t):
-            losses.append(grad_at(eng, theta, x, y))  # (a) g = grad F_b(theta_i)
-            g = eng.grad
+            loss, g = grad_at(eng, theta, x, y)  # (a) g = grad F_b(theta_i)
+            losses.append(loss)
             eps = sam.perturbation(g, sam.scale)  # (b) eps from the same g
             step_(self.optim, theta[:P], g, st_p, lr)  # (a) theta_i <- theta_i - eta g
             if self.hp.ascent_grad == "universal":  # (b) instead: ascent gradient at w_i (SAM)
-                grad_at(eng, w, x, y)
-                eps = sam.perturbation(eng.grad, sam.scale)
-            grad_at(eng, w, x, y, at=eps)  # (c) g~ = grad F_b(w_i + eps)
-            step_(self.optim, w[:P], eng.grad, st_u, lr)  # w_i <- w_i - eta g~
+                eps = sam.perturbation(grad_at(eng, w, x, y)[1], sam.scale)
+            _, g = grad_at(eng, w, x, y, at=eps)  # (c) g~ = grad F_b(w_i + eps)
+            step_(self.optim, w[:P], g, st_u, lr)  # w_i <- w_i - eta g~
         self.opt.keep("personal", i, st_p)
         self.opt.keep("universal", i, st_u)
         return theta, w, torch.stack(losses).mean()
@@ -160,11 +159,10 @@ class PLGUGRep(FedRep):
         if self.hp.score_ref == "last_upload":
             self.uploaded = torch.full((self.N, engine.n_state), float("nan"), device=self.device)
 
-    def body_step(self, s: torch.Tensor, lr: float) -> None:
-        """phi <- phi - eta g with the last gradient: one step of the run's optimizer from a
-        fresh state (SGD: eta (g + wd phi)), on the body only."""
+    def body_step(self, s: torch.Tensor, g: torch.Tensor, lr: float) -> None:
+        """phi <- phi - eta g: one step of the run's optimizer from a fresh state
+        (SGD: eta (g + wd phi)), on the body only."""
         P = self.engine.n_params
-        g = self.engine.grad
         step_(self.optim, s[:P], g, init_state(self.optim, s[:P]), lr, mask=self.body_mask)
 
     def body_phase(self, states: torch.Tensor, clients, t: int) -> TrainResult:
@@ -179,13 +177,14 @@ class PLGUGRep(FedRep):
                 ref = self.uploaded[i]
             steps = int(self.hp.body_steps)
             for x, y in eng.batches(i, self.cfg.batch_size, steps=steps, round=t, salt=2):
-                losses.append(grad_at(eng, s, x, y))  # eq. 11: phi_i = phi - eta g
-                self.body_step(s, lr)
+                loss, g = grad_at(eng, s, x, y)  # eq. 11: phi_i = phi - eta g
+                losses.append(loss)
+                self.body_step(s, g, lr)
                 xi = normalize_scores(layer_scores(s, ref, self.body_layers), self.rule)  # eq. 10
-                grad_at(eng, s, x, y)  # eq. 12: eps from the body gradient at phi_i
-                eps = lwsam_perturbation(eng.grad * body, xi, self.body_layers, rho)
-                grad_at(eng, s, x, y, at=eps)  # eq. 13: phi~_i = phi_i - eta g(phi_i + eps)
-                self.body_step(s, lr)
+                _, g = grad_at(eng, s, x, y)  # eq. 12: eps from the body gradient at phi_i
+                eps = lwsam_perturbation(g * body, xi, self.body_layers, rho)
+                _, g = grad_at(eng, s, x, y, at=eps)  # eq. 13: phi~_i = phi_i - eta g(phi_i + eps)
+                self.body_step(s, g, lr)
             if self.uploaded is not None:
                 self.uploaded[i] = s
         loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)

@@ -300,9 +300,12 @@ class Engine:
     ) -> torch.Tensor:
         """Loss of the loaded model on (x, y) (+ terms); its gradient lands in `self.grad`.
 
-        `objective(model, x, y, c)` replaces the cross-entropy (FedProto's prototype loss,
-        FedRoD's two heads ...); `c` is the client's position in the train call.
+        A training step: the module is put in training mode (BatchNorm normalizes with the
+        batch and updates its running statistics, dropout drops), whatever `correct` or
+        `logits` left. `objective(model, x, y, c)` replaces the cross-entropy (FedProto's
+        prototype loss, FedRoD's two heads ...); `c` is the client's position in the train call.
         """
+        self.model.train()
         self._g.zero_()
         if objective is None:
             loss = F.cross_entropy(self.model(x), y)
@@ -422,3 +425,11 @@ class Engine:
         if not out:
             return torch.zeros(0, dtype=torch.bool, device=self.device)
         return torch.cat(out)
+
+    # ------------------------------------------------------------------ full gradients
+    def full_grads(self, states: torch.Tensor, clients: Sequence[int], *, with_grad: bool = True):
+        """Each client's mean loss and gradient over its whole training set at its row of
+        `states` (FedPG's reports), all clients from one call (`grads.py`; vmap where it can)."""
+        from fedbench.engine.grads import full_grads
+
+        return full_grads(self, states, clients, with_grad=with_grad)

@@ -76,46 +76,51 @@ def step_(
 ) -> None:
     """In-place update of `w` with gradient `g`.
 
-    `mask` ([P] of 0/1) zeroes the update of frozen entries, weight decay included.
+    `mask` ([P] of 0/1) freezes entries: a frozen entry and its optimizer state (momentum,
+    Adam moments) stay exactly as they are, as `torch.optim` skips a parameter without a
+    gradient, so momentum kept from a phase that trained it (`optim.persist_state`) never
+    moves it. (Adam's step count is one per row: a frozen entry's bias correction, when it
+    trains again, counts the steps it sat out.)
 
     `active` ([C, 1] of 0/1, for stacked clients) freezes rows whose client has no step left:
     their parameters and optimizer state stay exactly as they are.
     """
+    keep = active
+    if mask is not None:
+        keep = mask if keep is None else keep * mask
     if cfg.weight_decay:
         g = g.add(w, alpha=cfg.weight_decay)
-    if mask is not None:
-        g = g * mask
     if cfg.name == "sgd":
         if cfg.momentum:
             buf = state["buf"]
             new_buf = buf.mul(cfg.momentum).add_(g)
-            if active is not None:
-                new_buf = torch.where(active.bool(), new_buf, buf)
+            if keep is not None:
+                new_buf = torch.where(keep.bool(), new_buf, buf)
             buf.copy_(new_buf)
             d = g.add(buf, alpha=cfg.momentum) if cfg.nesterov else buf
         else:
             d = g
-        if active is not None:
-            d = d * active
+        if keep is not None:
+            d = d * keep
         _descend(w, d, lr)
         return
     b1, b2 = cfg.betas
     m, v, step = state["m"], state["v"], state["step"]
-    if active is None:
+    if keep is None:
         step.add_(1)
         m.mul_(b1).add_(g, alpha=1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
     else:
-        a = active.bool()
-        step.add_(active)
+        a = keep.bool()
+        step.add_(1 if active is None else active)
         m.copy_(torch.where(a, m * b1 + g * (1 - b1), m))
         v.copy_(torch.where(a, v * b2 + g * g * (1 - b2), v))
     s = step.clamp(min=1)
     bc1 = 1 - b1**s
     bc2 = 1 - b2**s
     d = (m / bc1) / ((v / bc2).sqrt() + cfg.eps)
-    if active is not None:
-        d = d * active
+    if keep is not None:
+        d = d * keep
     _descend(w, d, lr)
 
 
