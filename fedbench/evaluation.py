@@ -46,52 +46,59 @@ def _sets(fed, i: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _per_client(fed, correct, tail: float) -> dict:
-    """Every client's hits on its L/S/G sets from `correct(i, idx)`, packed."""
+def _per_client(fed, correct, tail: float, ids=None) -> dict:
+    """Every client's hits on its L/S/G sets from `correct(i, idx)`, packed (clients `ids`,
+    default all)."""
     hits: dict[str, list[torch.Tensor]] = {}
     sizes: dict[str, list[int]] = {}
-    for i in range(fed.num_clients):
+    for i in range(fed.num_clients) if ids is None else ids:
         sets = _sets(fed, i)
         ok = correct(i, torch.cat(list(sets.values())))
         for (name, ix), part in zip(sets.items(), torch.split(ok, [len(v) for v in sets.values()])):
             hits.setdefault(name, []).append(part.sum())
             sizes.setdefault(name, []).append(len(ix))
-    return _pack(hits, sizes, tail)
+    return _pack(hits, sizes, tail, ids)
 
 
 @torch.no_grad()
-def evaluate(algo, fed, tail: float = 0.05) -> dict:
+def evaluate(algo, fed, tail: float = 0.05, honest=None) -> dict:
     """{'personal': {'L': {'acc': [N], 'n': [N], 'summary': {...}}, ...}, 'global': ... | None,
-    and one entry per `algo.extra_kinds` (per-client predictors scored like 'personal')}."""
+    and one entry per `algo.extra_kinds` (per-client predictors scored like 'personal')}.
+
+    `honest` ([N] bool, malicious clients False; `fedbench.attack`): only honest clients are
+    scored and summarized; each set then carries `ids`, the clients its rows belong to."""
     result: dict = {"personal": None, "global": None}
     N = fed.num_clients
+    ids = None if honest is None else [int(i) for i in np.flatnonzero(honest)]
     if algo.has_personal:
-        result["personal"] = _per_client(fed, algo.personal_correct, tail)
+        result["personal"] = _per_client(fed, algo.personal_correct, tail, ids)
     if algo.has_global:
         # The global model is the same for every client: score the union of test samples once.
         union = torch.unique(torch.cat(fed.test_idx))
         ok_pool = torch.zeros(fed.y.numel(), dtype=torch.bool, device=fed.y.device)
         ok_pool[union] = algo.global_correct(union)
         hits, sizes = {}, {}
-        for i in range(N):
+        for i in range(N) if ids is None else ids:
             for name, ix in _sets(fed, i).items():
                 hits.setdefault(name, []).append(ok_pool[ix].sum())
                 sizes.setdefault(name, []).append(len(ix))
-        packed = _pack(hits, sizes, tail)
+        packed = _pack(hits, sizes, tail, ids)
         packed["all"] = float(ok_pool[union].float().mean().item()) if union.numel() else 0.0
         result["global"] = packed
     for kind in algo.extra_kinds:
-        result[kind] = _per_client(fed, partial(algo.extra_correct, kind), tail)
+        result[kind] = _per_client(fed, partial(algo.extra_correct, kind), tail, ids)
     return result
 
 
-def _pack(hits: dict, sizes: dict, tail: float) -> dict:
+def _pack(hits: dict, sizes: dict, tail: float, ids=None) -> dict:
     out = {}
     for name in hits:
         n = np.asarray(sizes[name], dtype=np.float64)
         correct = torch.stack(hits[name]).cpu().numpy().astype(np.float64)
         acc = np.divide(correct, n, out=np.zeros_like(n), where=n > 0)
         out[name] = {"acc": acc, "n": n, "summary": summarize(acc, n, tail)}
+        if ids is not None:
+            out[name]["ids"] = np.asarray(ids)
     return out
 
 

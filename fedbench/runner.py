@@ -22,7 +22,9 @@ from tqdm import tqdm
 
 import fedbench
 from fedbench.algorithms import ALGORITHMS
+from fedbench.algorithms.base import FLOAT_BYTES
 from fedbench.algorithms.params import check_params
+from fedbench.attack import Attack
 from fedbench.data.federation import Federation
 from fedbench.data.sources import load_dataset
 from fedbench.data.splits import eval_sets, make_partition
@@ -130,6 +132,16 @@ class Run:
         )
         algo_cls = ALGORITHMS.get(str(cfg.algo.name))
         self.algo = algo_cls(cfg, self.fed, self.engine, self.model_fn)
+        # malicious clients (fedbench/attack.py): they act in Algorithm.receive only
+        self.attack = Attack.from_cfg(cfg, n)
+        if self.attack is not None:
+            if not algo_cls.attackable:
+                raise ConfigError(
+                    f"attack.kind={cfg.attack.kind}: algo={cfg.algo.name} does not route its "
+                    "uploads through Algorithm.receive, so the attack cannot reach it"
+                )
+            self.algo.attack = self.attack
+        self.honest = None if self.attack is None else self.attack.honest
         self.per_round = clients_per_round(cfg.participation, n)
         self.sampler = np.random.default_rng([seed, 7])
 
@@ -197,11 +209,12 @@ class Run:
                     raise FedbenchError(
                         f"training diverged at round {t + 1} (loss {loss}); lower optim.lr"
                     )
-                res = evaluate(self.algo, self.fed, tail)
+                res = evaluate(self.algo, self.fed, tail, honest=self.honest)
                 summ = summaries(res)
                 row = {"round": t + 1, "wall_time_s": time.perf_counter() - t0, "train_loss": loss}
                 row.update(comm)
                 row.update(diagnostics(info))
+                row.update(size_columns(self.algo, comm, t + 1, info, len(clients)))
                 row.update(_flatten(summ))
                 st["metric_rows"].append(row)
                 st["client_rows"].append(_client_frame(t + 1, res))
@@ -229,7 +242,11 @@ class Run:
             "version": fedbench.__version__,
             "final": st["final"],
             "best": st["best"],
+            "malicious": 0 if self.attack is None else self.attack.count,
         }
+        if st["metric_rows"]:
+            last = st["metric_rows"][-1]
+            summary["size"] = {k: last[k] for k in SIZE_KEYS if k in last}
         atomic_write_json(self.out / "summary.json", summary)
         return summary
 
@@ -289,6 +306,33 @@ def diagnostics(info: dict) -> dict:
     return out
 
 
+SIZE_KEYS = (
+    "up_MB",
+    "down_MB",
+    "comm_MB",
+    "params_sent_M",
+    "params_personal_M",
+    "params_global_M",
+)
+
+
+def size_columns(algo, comm: dict, rounds_done: int, info: dict, n_clients: int) -> dict:
+    """Model size and communication (FedSLR Table 2), as metrics.csv columns: uplink,
+    downlink and their sum in MB (1e6 bytes) per round, averaged over the rounds so far;
+    parameters the server sent one client this round (from bytes_down); parameters of each
+    deployed model (`Algorithm.model_size`; personal: mean over clients), in millions."""
+    mb = 1e6 * max(rounds_done, 1)
+    out = {
+        "up_MB": comm["bytes_up"] / mb,
+        "down_MB": comm["bytes_down"] / mb,
+        "comm_MB": (comm["bytes_up"] + comm["bytes_down"]) / mb,
+        "params_sent_M": float(info.get("bytes_down", 0)) / FLOAT_BYTES / max(n_clients, 1) / 1e6,
+    }
+    for k, v in algo.model_size().items():
+        out[f"{k}_M"] = float(v) / 1e6
+    return out
+
+
 def _key(s: dict) -> float:
     kind = "personal" if s.get("personal") else "global"
     return s[kind]["L"]["avg"]
@@ -320,7 +364,7 @@ def _client_frame(t: int, res: dict) -> pd.DataFrame:
                     pd.DataFrame(
                         {
                             "round": t,
-                            "client": np.arange(acc.size),
+                            "client": sets[name].get("ids", np.arange(acc.size)),
                             "model": kind,
                             "metric": name,
                             "value": acc,
