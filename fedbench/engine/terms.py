@@ -54,3 +54,16 @@ class Linear(Term):
 
     def value(self, w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return (w * v[..., : w.shape[-1]]).sum()
+
+
+def dynamic(lam: torch.Tensor, ref: torch.Tensor, alpha: float) -> list[Term]:
+    """-<lam_i, w> + (alpha / 2) ||w - ref||^2: the local problem of FedDyn (Acar et al.
+    2021, Algorithm 1) and of FedSLR's Phase I (its -<lam_i, w - ref> differs by a constant).
+    `lam` is per client ([C, P]) or shared; `ref` the model the server sent."""
+    return [Linear(-lam), Proximal(ref, alpha)]
+
+
+def correction(c_client: torch.Tensor, c_server: torch.Tensor) -> Term:
+    """<c - c_i, w>: SCAFFOLD's control-variate correction (Karimireddy et al. 2020, eq. 3),
+    whose gradient c - c_i is added to every local gradient."""
+    return Linear(c_server - c_client)

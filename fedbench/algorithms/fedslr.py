@@ -1,0 +1,175 @@
+"""FedSLR (Huang et al., 2023, "Fusion of Global and Local Knowledge for Personalized
+Federated Learning", Algorithms 1-3; authors' code huangtiansheng/fedslr; specs/fedslr.md).
+
+Each personalized model is w + p_i: w = theta, the low-rank global knowledge
+representation (GKR), shared; p_i sparse and client i's own.
+
+Phase I (the GKR, FedDyn-like; Algorithm 1 lines 4-9, Algorithm 3's server). Round t, each
+sampled client i from x = theta^t: E epochs of the run's SGD on
+    f_i(x) - <lambda_i, x - theta^t> + (alpha / 2) ||x - theta^t||^2 + (wd / 2) ||x||^2
+(the linear and proximal terms: `terms.dynamic`; wd: the optimizer's weight decay, 1e-3 in
+the presets as the authors' code), then lambda_i <- lambda_i - alpha (x_i - theta^t).
+Server (memory-efficient, Algorithm 3: only h = (1/N) sum_i lambda_i is kept):
+    h <- h - (alpha / N) sum_{i in S_t} (x_i - theta^t)
+    z = mean_{i in S_t} x_i - h / alpha
+    theta^{t+1} = prox_{tau ||.||_*}(z) per layer, tau = rank_penalty / alpha
+(`engine.prox.nuclear_prox`: Conv (o, i, kh, kw) viewed as (o·kh, i·kw); 1-D tensors not
+touched). alpha = 1 / eta_g = 0.1, rank_penalty = 1e-4. Phase I is `FedDyn` with the prox
+added: this class extends it. The per-client server form (z with every stored lambda_i)
+is in tests/test_fedslr.py, which proves the two identical.
+
+Phase II (the sparse component; Algorithm 2). Right after Phase I, each sampled client,
+`fusion_epochs` (1) epochs with w = theta^t frozen, per batch (plain SGD at the round's lr)
+    p <- p - eta_t (grad_p f_i(theta^t + p) + wd p);  p <- sign(p) max(|p| - eta_t lambda_s, 0)
+lambda_s = sparse_penalty = 1e-3. p_init: `copy` (the authors' code) starts the p of every
+Conv/Linear tensor (biases included) as a copy of the initial weights and the norm layers'
+p at zero; `zero` starts every p at zero.
+
+Reported: the GKR theta (global) and theta + p_i (personal, the mixed model), both with
+the current theta as the authors' evaluation. Sizes (`model_size`, metrics columns): the
+GKR sent factorized, per layer min(rank (m + n), m n) + the 1-D tensors; the mixed model
+GKR + nonzeros of p_i (mean over clients); p's density; each matrix layer's rank
+(`rank.<parameter>`). Communication: uplink x_i (dense), downlink the GKR factorized.
+Buffers: averaged (weights >= 0) in the GKR; the mixed model uses the GKR's.
+RECONSTRUCTION: the paper's equations are lost in its text; the updates above follow the
+spec, which restores them from Algorithms 1-3 and the authors' code. Momentum in Phase II
+is not used (plain SGD, as the spec's update).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedbench.algorithms._steps import grad_at
+from fedbench.algorithms.base import ALGORITHMS
+from fedbench.algorithms.feddyn import FedDyn, FedDynParams
+from fedbench.algorithms.params import nonneg, positive
+from fedbench.engine.prox import (
+    LayerRank,
+    factorized_params,
+    matrix_entries,
+    matrix_shape,
+    nuclear_prox,
+    soft_threshold,
+)
+
+
+@dataclass
+class FedSLRParams(FedDynParams):
+    rank_penalty: float = nonneg()
+    sparse_penalty: float = nonneg()
+    fusion_epochs: int = positive()
+    p_init: Literal["copy", "zero"]
+    svd_float64: bool
+
+
+@ALGORITHMS.register("fedslr")
+class FedSLR(FedDyn):
+    name = "fedslr"
+    Params = FedSLRParams
+    has_personal = True
+    has_global = True
+    attackable = True
+    state_keys = ("theta", "lam", "h", "p", "ranks")
+
+    def __init__(self, cfg, fed, engine, model_fn) -> None:
+        super().__init__(cfg, fed, engine, model_fn)
+        self.tau = float(self.hp.rank_penalty) / self.alpha
+        P = engine.n_params
+        p0 = torch.zeros(P, device=self.device)
+        if self.hp.p_init == "copy":
+            p0[self.dense_layer_mask()] = self.theta[:P][self.dense_layer_mask()]
+        self.p = p0.repeat(self.N, 1)  # [N, P] the clients' sparse components
+        self.ranks = [
+            LayerRank(e.name, *matrix_shape(e.shape), min(matrix_shape(e.shape)))
+            for e in matrix_entries(engine.spec)
+        ]
+
+    def dense_layer_mask(self) -> torch.Tensor:
+        """[P]: the parameters of Conv and Linear modules (weights and biases)."""
+        names = [
+            f"{mod_name}.{pn}" if mod_name else pn
+            for mod_name, mod in self.engine.model.named_modules()
+            if isinstance(mod, nn.modules.conv._ConvNd | nn.Linear)
+            for pn, _ in mod.named_parameters(recurse=False)
+        ]
+        return self.engine.spec.mask(names, device=self.device)
+
+    # ------------------------------------------------------------------ Phase II
+    def fusion(self, i: int, base: torch.Tensor, t: int) -> torch.Tensor:
+        """Client i's p by proximal SGD on f_i(base + p), base frozen; the mean loss."""
+        eng, P = self.engine, self.engine.n_params
+        lr = self.optim.lr_at(t)
+        wd = self.optim.weight_decay
+        thr = lr * float(self.hp.sparse_penalty)
+        p = self.p[i].clone()
+        state = base.clone()
+        losses = []
+        for x, y in eng.batches(
+            i, self.cfg.batch_size, epochs=int(self.hp.fusion_epochs), round=t, salt=1
+        ):
+            state[:P] = base[:P] + p
+            loss, g = grad_at(eng, state, x, y)
+            p = p - lr * (g + wd * p)
+            if thr > 0:
+                p = soft_threshold(p, thr)
+            losses.append(loss)
+        self.p[i] = p
+        return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+
+    # ------------------------------------------------------------------ the contract
+    def round(self, t: int, clients: np.ndarray) -> dict:
+        sent = self.theta.clone()  # theta^t, the model the clients received
+        gkr_sent = factorized_params(self.engine.spec, self.ranks)
+        x, res = self.local_phase(t, clients)  # Phase I
+        fusion_loss = torch.stack([self.fusion(int(i), sent, t) for i in clients])  # Phase II
+        z = self.server_average(x)
+        if self.tau > 0:
+            self.theta, self.ranks = nuclear_prox(
+                z, self.engine.spec, self.tau, double=bool(self.hp.svd_float64)
+            )
+        else:
+            self.theta = z
+        D, P, C = self.engine.n_state, self.engine.n_params, len(clients)
+        down = C * (gkr_sent + D - P)  # the GKR factorized (+ buffers)
+        return {
+            "train_loss": res.loss.mean(),
+            "fusion_loss": fusion_loss.mean(),
+            **self.comm(clients, up=C * D, down=down),
+            **self.size_diagnostics(),
+        }
+
+    def size_diagnostics(self) -> dict:
+        nnz = (self.p != 0).sum(1).float()  # [N]
+        P = self.engine.n_params
+        gkr = factorized_params(self.engine.spec, self.ranks)
+        out = {
+            "gkr_params": gkr,
+            "mixed_params": gkr + float(nnz.mean()),
+            "p_density": float(nnz.mean()) / P,
+        }
+        out.update({f"rank.{r.name}": r.rank for r in self.ranks})
+        return out
+
+    def model_size(self) -> dict:
+        d = self.size_diagnostics()
+        return {"params_personal": d["mixed_params"], "params_global": d["gkr_params"]}
+
+    def personal_state(self, i: int) -> torch.Tensor:
+        s = self.theta.clone()
+        s[: self.engine.n_params] += self.p[i]
+        return s
+
+    def personal_states(self) -> torch.Tensor:
+        s = self.theta.repeat(self.N, 1)
+        s[:, : self.engine.n_params] += self.p
+        return s
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.ranks = list(self.ranks)

@@ -1,0 +1,73 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020, "SCAFFOLD: Stochastic Controlled Averaging for
+Federated Learning", Algorithm 1, option II; specs/fedslr.md "Baselines").
+
+Server state x and control variate c; client i's control variate c_i (zeros at start).
+Round t, each sampled client from y = x, K steps (E epochs) of the run's optimizer with
+the corrected gradient (eq. 3)
+    y <- y - eta (grad f_b(y) - c_i + c)                 (`terms.correction`: <c - c_i, y>)
+then option II (eq. 4): c_i+ = c_i - c + (x - y) / (K eta); uploads Delta y = y - x and
+Delta c = c_i+ - c_i. Server (Algorithm 1, lines 16-17), uniform means over S_t:
+    x <- x + eta_g mean(Delta y),   c <- c + (|S| / N) mean(Delta c).
+eta_g = `global_lr` = 1. eta: the round's lr (K counts the client's own steps).
+Reports the global model x (a global method: no personal rows are kept).
+Communication: x and c down, Delta y and Delta c up (twice FedAvg's, FedSLR Table 2).
+Buffers: averaged (weights >= 0): the new x's buffers are the mean of the clients'.
+Per-client c_i ([N, P]) and c are in `state_keys` (checkpoints). Not a reconstruction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.params import positive
+from fedbench.engine.terms import correction
+
+
+@dataclass
+class ScaffoldParams:
+    global_lr: float = positive()
+
+
+@ALGORITHMS.register("scaffold")
+class Scaffold(Algorithm):
+    name = "scaffold"
+    Params = ScaffoldParams
+    has_personal = False
+    has_global = True
+    attackable = True
+    state_keys = ("x", "c", "c_i")
+
+    def __init__(self, cfg, fed, engine, model_fn) -> None:
+        super().__init__(cfg, fed, engine, model_fn)
+        P = engine.n_params
+        self.x = engine.initial_state()  # [D] server model
+        self.c = torch.zeros(P, device=self.device)  # [P] server control variate
+        self.c_i = torch.zeros(self.N, P, device=self.device)  # [N, P] clients' control variates
+
+    def round(self, t: int, clients: np.ndarray) -> dict:
+        idx = torch.as_tensor(clients, device=self.device)
+        P = self.engine.n_params
+        ci = self.c_i[idx]
+        res = self.local_train(self.x, clients, t, terms=[correction(ci, self.c)])
+        lr = self.optim.lr_at(t)
+        k = torch.tensor(res.steps, dtype=ci.dtype, device=self.device).clamp_min(1)[:, None]
+        ci_new = ci - self.c + (self.x[:P] - res.states[:, :P]) / (k * lr)  # option II
+        self.c_i[idx] = ci_new  # client side
+        y = self.receive(res.states, clients, ref=self.x)
+        dc = self.receive(ci_new - ci, clients, kind="other")
+        new = y.mean(0)  # buffers: the clients' mean
+        new[:P] = self.x[:P] + float(self.hp.global_lr) * (y[:, :P] - self.x[:P]).mean(0)
+        self.x = new
+        self.c = self.c + (len(clients) / self.N) * dc.mean(0)
+        D, C = self.engine.n_state, len(clients)
+        return {
+            "train_loss": res.loss.mean(),
+            **self.comm(clients, up=C * (D + P), down=C * (D + P)),
+        }
+
+    def global_state(self) -> torch.Tensor:
+        return self.x
