@@ -117,6 +117,20 @@ class Algorithm:
         evaluation reads one client at a time and must never build all N models."""
         return self.personal_states()[i]
 
+    def model_size(self) -> dict[str, float]:
+        """Parameters of the deployed models (FedSLR Table 2's "# of params"):
+        `params_personal` (mean over clients of what one client deploys) and `params_global`
+        (the global model), each where the algorithm has that model. Default: the whole
+        model's parameters. Override where a deployed model is smaller (FedSLR's factorized
+        GKR, FedSpa's sparse models) or larger (two models deployed). What the server sends
+        is measured from `round()`'s bytes_down by the runner, not declared here."""
+        out: dict[str, float] = {}
+        if self.has_personal:
+            out["params_personal"] = self.engine.n_params
+        if self.has_global:
+            out["params_global"] = self.engine.n_params
+        return out
+
     def personal_correct(self, i: int, idx: torch.Tensor) -> torch.Tensor:
         return self.engine.correct(self.personal_state(i), idx)
 
