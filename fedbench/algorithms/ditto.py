@@ -9,24 +9,40 @@ lambda = 0.1 (FedSLR's setting; the Ditto authors' scripts use 1, PLGU gives non
 authors' code: on each batch, one personal step, then one global step (then
 `personal_epochs` must equal `local_epochs`).
 Reports w and theta_i; a client never sampled deploys w. Not a reconstruction.
+Uploads: each client's trained global copy w_i (kind "model", ref = w^t); theta_i stays home.
+Buffers: w's averaged (weights >= 0) with its parameters; theta_i keeps its own (kept local).
+Every step, interleaved ones included, runs in training mode.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from fedbench.algorithms._steps import ClientOptim, grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.params import Weighting, hp, nonneg
 from fedbench.engine import Proximal
 from fedbench.engine.optim import step_
 from fedbench.errors import ConfigError
 
 
+@dataclass
+class DittoParams:
+    lam: float = nonneg()  # lambda of (lambda / 2) ||theta - w||^2, >= 0
+    personal_epochs: int = hp(ge=1)  # epochs on theta_i per visit
+    interleave: bool  # one personal + one global step per batch (the authors' code)
+    weighting: Weighting  # server average: samples | uniform
+
+
 @ALGORITHMS.register("ditto")
 class Ditto(Algorithm):
     name = "ditto"
+    Params = DittoParams
     has_global = True
+    attackable = True
     state_keys = ("w", "theta", "seen", "opt")
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
@@ -81,11 +97,15 @@ class Ditto(Algorithm):
             theta, local, loss = pers.states, glob.states, glob.loss
         self.theta[idx] = theta
         self.seen[idx] = True
-        self.w = self.weights(clients, self.hp.weighting) @ local
+        up = self.receive(local, clients, ref=self.w)
+        self.w = self.weights(clients, self.hp.weighting) @ up
         return {"train_loss": loss.mean(), **self.comm(clients)}
 
     def personal_states(self) -> torch.Tensor:
         return torch.where(self.seen[:, None], self.theta, self.w)
+
+    def personal_state(self, i: int) -> torch.Tensor:
+        return self.theta[i] if bool(self.seen[i]) else self.w
 
     def global_state(self) -> torch.Tensor:
         return self.w

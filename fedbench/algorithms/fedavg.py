@@ -7,6 +7,9 @@ F_k(w) + (mu / 2) ||w - w^t||^2; mu = 0.01 (specs/fedpg.md: from the FedProx pap
 
 Personalized model (specs/metrics.md): a client's model after its last local training from
 w, as FedPG's appendix and FedRoD do; a client not yet sampled deploys w.
+Uploads: each client's trained state (kind "model", ref = the w it trained from).
+Buffers: averaged (weights n_k / n or 1/C, >= 0) with the parameters into w; a personal
+model keeps the statistics of its own last training.
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ from fedbench.engine import Proximal
 
 @dataclass
 class FedAvgParams:
-    weighting: Weighting
+    weighting: Weighting  # server average: samples (n_k / n) | uniform (1/C)
 
 
 @dataclass
 class FedProxParams(FedAvgParams):
-    mu: float = nonneg()
+    mu: float = nonneg()  # proximal weight, >= 0
 
 
 @ALGORITHMS.register("fedavg")
@@ -36,6 +39,7 @@ class FedAvg(Algorithm):
     name = "fedavg"
     Params = FedAvgParams
     has_global = True
+    attackable = True
     state_keys = ("w", "theta", "seen")
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
@@ -52,11 +56,15 @@ class FedAvg(Algorithm):
         idx = torch.as_tensor(clients, device=self.device)
         self.theta[idx] = res.states
         self.seen[idx] = True
-        self.w = self.weights(clients, self.hp.weighting) @ res.states
+        up = self.receive(res.states, clients, ref=self.w)
+        self.w = self.weights(clients, self.hp.weighting) @ up
         return {"train_loss": res.loss.mean(), **self.comm(clients)}
 
     def personal_states(self) -> torch.Tensor:
         return torch.where(self.seen[:, None], self.theta, self.w)
+
+    def personal_state(self, i: int) -> torch.Tensor:
+        return self.theta[i] if bool(self.seen[i]) else self.w
 
     def global_state(self) -> torch.Tensor:
         return self.w

@@ -9,23 +9,38 @@ phi^{t+1} = sum_i w_i phi_i with w_i = n_i / n (the authors' code) or 1/C (`weig
 Personalized model of client i = (phi^t, h_i): the current body with the client's head.
 Defaults from the authors' CIFAR-10 script: head_epochs 10, body_epochs 1 (their SGD:
 lr 0.01, momentum 0.5, weight decay 1e-4, batch 10 -- the run's `optim`, not keys here).
-BatchNorm running statistics, if any, belong to the body. Not a reconstruction.
+Uploads: each client's trained state, of which the server uses the body (kind "model", ref =
+the phi^t it trained from). With `optim.persist_state`, the momentum a phase leaves never
+moves the layers the other phase freezes (`optim.step_`'s mask). Not a reconstruction.
+Buffers: averaged (weights >= 0) with the body: BatchNorm running statistics belong to phi.
 
 PLGU-GRep (`plgu.py`) is FedRep with another body phase; both share everything else here.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.params import Weighting, hp
 from fedbench.engine import TrainResult
+
+
+@dataclass
+class FedRepParams:
+    head_epochs: int = hp(ge=1)  # epochs on the head, body frozen
+    body_epochs: int = hp(ge=1)  # epochs on the body, head frozen
+    weighting: Weighting  # body average: samples (n_k / n) | uniform (1/C)
 
 
 @ALGORITHMS.register("fedrep")
 class FedRep(Algorithm):
     name = "fedrep"
+    Params = FedRepParams
+    attackable = True
     state_keys = ("phi", "heads")
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
@@ -62,9 +77,13 @@ class FedRep(Algorithm):
         head = self.head_phase(self.states_of(clients), clients, t)
         body = self.body_phase(head.states, clients, t)
         self.heads[torch.as_tensor(clients, device=self.device)] = body.states[:, self.head_entries]
-        self.phi = self.weights(clients, self.hp.weighting) @ body.states
+        up = self.receive(body.states, clients, ref=self.phi)  # the bodies (head entries unused)
+        self.phi = self.weights(clients, self.hp.weighting) @ up
         n = len(clients) * (self.engine.n_state - int(self.head_mask.sum()))  # bodies moved
         return {"train_loss": body.loss.mean(), **self.comm(clients, up=n, down=n)}
 
     def personal_states(self) -> torch.Tensor:
         return self.states_of(np.arange(self.N))
+
+    def personal_state(self, i: int) -> torch.Tensor:
+        return self.states_of([i])[0]

@@ -1,6 +1,7 @@
 """Local ("Separate" in DiversiFed): every client trains its own model alone; nothing is
 shared. theta_i <- E epochs of local SGD on F_i each time client i is sampled. All clients
-start from the same initialization (the seed's model)."""
+start from the same initialization (the seed's model). No uploads (not attackable).
+Buffers: kept local (each client's own statistics, as its parameters)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import numpy as np
 import torch
 
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.params import NoParams
 
 
 @ALGORITHMS.register("local")
 class Local(Algorithm):
     name = "local"
+    Params = NoParams
     state_keys = ("theta",)
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
@@ -27,3 +30,6 @@ class Local(Algorithm):
 
     def personal_states(self) -> torch.Tensor:
         return self.theta
+
+    def personal_state(self, i: int) -> torch.Tensor:
+        return self.theta[i]

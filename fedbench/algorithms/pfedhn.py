@@ -23,15 +23,23 @@ Personalized model of client i = h(v_i; phi) (+ its head, + the shared tensors);
 fine-tuning. `inner_epochs` (not in pFedHN) replaces the step count by epochs over the
 client's data, for presets that fix E local epochs for every method.
 Not a reconstruction, except that spectral norm (an authors' option, off) is not offered.
+Uploads: client i's trained state theta~_i (kind "model", ref = the state it trained from,
+h(v_i; phi) with the shared entries); the server takes Delta_i and the shared entries from
+what it receives. The personal head (pFedHN-PC) stays home.
+Buffers: shared, i.e. averaged over the round's clients by sample count (weights >= 0).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 
 from fedbench.algorithms._steps import clip_, grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.params import hp, nonneg, positive
 from fedbench.engine import ModelSpec, OptimConfig
 from fedbench.engine.optim import init_state, step_
 from fedbench.errors import ConfigError
@@ -41,6 +49,38 @@ from fedbench.models.hypernet import GENERATE, HyperNetwork, hypernet_size, sele
 SERVER_UPDATES = ("sequential", "mean")
 
 
+def momentum() -> object:
+    return hp(ge=0, lt=1)
+
+
+@dataclass
+class HypernetParams:
+    generate: Literal["all", "body", "last_k"]  # which target tensors h generates
+    k: int = hp(ge=1)  # last_k: how many of the target's last layers
+    embed_dim: int | None = hp(ge=1)  # client embedding size; null: 1 + N // 4
+    hidden: int = hp(ge=1)  # width of the trunk
+    n_hidden: int = hp(ge=0)  # Linear(hidden, hidden) layers after the first
+    spectral_norm: bool  # true is refused (not implemented)
+    max_params: float = positive()  # refuse a larger hypernetwork
+    server_update: Literal["sequential", "mean"]
+    lr: float = positive()
+    embed_lr: float | None = positive()  # null: lr
+    momentum: float = momentum()
+    weight_decay: float = nonneg()
+    clip: float | None = nonneg()  # gradient-norm clip of the update (0 / null: none)
+
+
+@dataclass
+class PFedHNParams:
+    inner_steps: int = hp(ge=1)  # local steps per visit
+    inner_epochs: int | None = hp(ge=1)  # instead of inner_steps (null: inner_steps)
+    inner_lr: float | None = positive()  # null: 5e-3 (all | last_k), 5e-2 (body)
+    inner_momentum: float = momentum()
+    inner_wd: float = nonneg()
+    inner_clip: float | None = nonneg()  # gradient-norm clip of each inner step (0 / null: none)
+    hypernet: HypernetParams
+
+
 def _millions(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
@@ -48,6 +88,8 @@ def _millions(n: int) -> str:
 @ALGORITHMS.register("pfedhn")
 class PFedHN(Algorithm):
     name = "pfedhn"
+    Params = PFedHNParams
+    attackable = True
     state_keys = ("phi", "phi_buf", "heads", "shared")
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
@@ -149,7 +191,8 @@ class PFedHN(Algorithm):
         return s
 
     def visit(self, i: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Inner training of client i from h(v_i; phi): (hypernet grad, final state, loss)."""
+        """Inner training of client i from h(v_i; phi): (hypernet grad, the final state as the
+        server receives it, loss)."""
         P = self.engine.n_params
         with torch.no_grad():
             s0 = self.state_of(i, self.generate(i))
@@ -163,8 +206,9 @@ class PFedHN(Algorithm):
             losses.append(loss)
             clip_(g, self.hp.inner_clip)
             step_(self.inner_optim, s[:P], g, st, self.inner_optim.lr)
+        self.heads[i] = s[self.personal_entries]  # stays home
+        s = self.receive(s[None], [i], ref=s0[None])[0]  # what the server gets of theta~_i
         delta = (s0[:P] - s[:P])[self.gen_mask]
-        self.heads[i] = s[self.personal_entries]
         loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
         return self.hypernet_grad(i, delta), s, loss
 

@@ -16,22 +16,42 @@ clients). lambda = 15, K = 5, R = 20, lr_p = 0.01, beta = 1.
 last batch) or `local` (w_i: what the authors' code and PFLlib evaluate, since their
 "personalized" copy aliases the local model). Reports w as the global model; a client
 never sampled deploys w. Not a reconstruction.
+Uploads: each client's local model w_i (kind "model", ref = w^t).
+Buffers: w_i's follow theta's forwards (its only forwards); averaged (weights >= 0) into w
+with min(beta, 1) (a beta > 1 extrapolates parameters, never running variances); theta_i
+keeps its own (kept local).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 
 from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.params import hp, nonneg, positive
 from fedbench.models.base import check_choice
+
+
+@dataclass
+class PFedMeParams:
+    lam: float = nonneg()  # lambda of the Moreau envelope
+    local_rounds: int | None = hp(ge=1)  # R mini-batches per visit; null: local_epochs passes
+    inner_steps: int = hp(ge=1)  # K steps on theta per mini-batch
+    personal_lr: float = positive()  # lr_p of the inner steps
+    beta: float = nonneg()  # server mix w <- (1 - beta) w + beta avg(w_i)
+    eval_model: Literal["theta", "local"]  # personalized model: theta_i | w_i
 
 
 @ALGORITHMS.register("pfedme")
 class PFedMe(Algorithm):
     name = "pfedme"
+    Params = PFedMeParams
     has_global = True
+    attackable = True
     state_keys = ("w", "theta", "local", "seen")
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
@@ -71,13 +91,23 @@ class PFedMe(Algorithm):
         self.local[idx] = torch.stack(ws)
         self.seen[idx] = True
         beta = float(self.hp.beta)
-        avg = self.weights(clients, "samples") @ self.local[idx]
-        self.w = (1 - beta) * self.w + beta * avg
+        up = self.receive(self.local[idx], clients, ref=self.w)
+        avg = self.weights(clients, "samples") @ up
+        w, P = self.w.clone(), self.engine.n_params
+        w[:P] = (1 - beta) * self.w[:P] + beta * avg[:P]
+        b = min(beta, 1.0)  # buffers: a convex mix, even where beta > 1 extrapolates weights
+        w[P:] = (1 - b) * self.w[P:] + b * avg[P:]
+        self.w = w
         return {"train_loss": torch.stack(losses).mean(), **self.comm(clients)}
 
     def personal_states(self) -> torch.Tensor:
         own = self.theta if self.hp.eval_model == "theta" else self.local
         return torch.where(self.seen[:, None], own, self.w)
+
+    def personal_state(self, i: int) -> torch.Tensor:
+        if not bool(self.seen[i]):
+            return self.w
+        return (self.theta if self.hp.eval_model == "theta" else self.local)[i]
 
     def global_state(self) -> torch.Tensor:
         return self.w

@@ -38,9 +38,19 @@ RECONSTRUCTIONS (specs/plgu.md; each a config key):
   (default: xi from phi_i vs the downloaded phi^t) | last_upload (vs the body this client
   uploaded last time; phi^t before its first upload); the upload is phi~_i (the poster).
 - PLGU-GHN: the whole of its update (above), as specs/plgu.md states it.
+
+Uploads: PLGU-LF's w_i, PLGU-GRep's phi~_i (FedRep's round), PLGU-GHN's theta~_i (pFedHN's
+visit), each through `receive` as a model with ref = the state the client trained from.
+Buffers: PLGU-LF: w's averaged (weights >= 0: w + sum a_i (w_i - w) with a_i >= 0 summing to 1
+is a convex mix), theta_i keeps its own (kept local); PLGU-GRep: averaged (weights >= 0)
+with the body, as FedRep; PLGU-GHN: shared and averaged by sample count, as pFedHN.
+Every hand-written step runs in training mode (`_steps.grad_at`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -48,7 +58,8 @@ import torch
 from fedbench.algorithms._steps import ClientOptim, grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.algorithms.fedrep import FedRep
-from fedbench.algorithms.pfedhn import PFedHN
+from fedbench.algorithms.params import Weighting, hp, nonneg
+from fedbench.algorithms.pfedhn import PFedHN, PFedHNParams
 from fedbench.engine import SAM, TrainResult
 from fedbench.engine.lwsam import (
     LayerMap,
@@ -61,6 +72,38 @@ from fedbench.engine.optim import init_state, step_
 from fedbench.models.base import check_choice
 
 SCORE_NORMS = ("mean1", "sum1")
+Scores = Literal["eq6", "uniform"]
+ScoreNorm = Literal["mean1", "sum1"]
+
+
+@dataclass
+class PLGULFParams:
+    rho: float = nonneg()  # LWSAM radius
+    personal_layers: int = hp(ge=0)  # D
+    d_counts: Literal["personal", "universal"]  # what D counts
+    scores: Scores
+    score_norm: ScoreNorm
+    perturb: Literal["universal", "all"]
+    ascent_grad: Literal["personal", "universal"]
+    weighting: Weighting
+
+
+@dataclass
+class PLGUGRepParams:
+    head_epochs: int = hp(ge=1)  # K epochs on the head
+    body_steps: int = hp(ge=1)  # mini-batches of the LWSAM body update
+    rho: float = nonneg()
+    scores: Scores
+    score_norm: ScoreNorm
+    score_ref: Literal["this_step", "last_upload"]
+    weighting: Weighting
+
+
+@dataclass
+class PLGUGHNParams(PFedHNParams):
+    rho: float = nonneg()  # LWSAM radius on the hypernetwork
+    scores: Scores
+    score_norm: ScoreNorm
 
 
 def score_rule(hp) -> str:
@@ -73,7 +116,9 @@ def score_rule(hp) -> str:
 @ALGORITHMS.register("plgu_lf")
 class PLGULF(Algorithm):
     name = "plgu_lf"
+    Params = PLGULFParams
     has_global = True
+    attackable = True
     state_keys = ("w", "theta", "seen", "opt")
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
@@ -131,12 +176,15 @@ class PLGULF(Algorithm):
         idx = torch.as_tensor(clients, device=self.device)
         self.theta[idx] = torch.stack(thetas)
         self.seen[idx] = True
-        delta = torch.stack(ws) - self.w  # Alg. 2 line 10
+        delta = self.receive(torch.stack(ws), clients, ref=self.w) - self.w  # Alg. 2 line 10
         self.w = self.w + self.weights(clients, self.hp.weighting) @ delta  # line 11
         return {"train_loss": torch.stack(losses).mean(), **self.comm(clients)}
 
     def personal_states(self) -> torch.Tensor:
         return torch.where(self.seen[:, None], self.theta, self.w)
+
+    def personal_state(self, i: int) -> torch.Tensor:
+        return self.theta[i] if bool(self.seen[i]) else self.w
 
     def global_state(self) -> torch.Tensor:
         return self.w
@@ -145,6 +193,7 @@ class PLGULF(Algorithm):
 @ALGORITHMS.register("plgu_grep")
 class PLGUGRep(FedRep):
     name = "plgu_grep"
+    Params = PLGUGRepParams
     state_keys = ("phi", "heads", "uploaded")
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
@@ -194,6 +243,7 @@ class PLGUGRep(FedRep):
 @ALGORITHMS.register("plgu_ghn")
 class PLGUGHN(PFedHN):
     name = "plgu_ghn"
+    Params = PLGUGHNParams
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)

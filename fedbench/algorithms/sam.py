@@ -8,18 +8,29 @@ to the unperturbed w). Server: FedAvg of the clients' models. rho = 0.05.
 
 Reports the global model w and, as FedAvg does (specs/metrics.md), each client's model after
 its last local training as its personal model. Nothing here is a reconstruction.
+Uploads and buffers as FedAvg. Buffers: averaged (weights >= 0) with the parameters; both
+SAM forwards of a step (at w and at w + eps) update them, as `Engine.train` does.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fedbench.algorithms.base import ALGORITHMS
-from fedbench.algorithms.fedavg import FedAvg
+from fedbench.algorithms.fedavg import FedAvg, FedAvgParams
+from fedbench.algorithms.params import nonneg
 from fedbench.engine import SAM
+
+
+@dataclass
+class FedSAMParams(FedAvgParams):
+    rho: float = nonneg()  # SAM radius, >= 0 (0: FedAvg)
 
 
 @ALGORITHMS.register("fedsam")
 class FedSAM(FedAvg):
     name = "fedsam"
+    Params = FedSAMParams
 
     def local_train(self, states, clients, t, **kw):
         """FedAvg's local training with the SAM step (`Engine.train(sam=...)`)."""
