@@ -1,0 +1,404 @@
+"""FedPG and S-FedPG ("Preserving Global Performance in Personalized Federated Learning";
+appendix: ../shared/papers/fedpg-appendix.txt; the exact updates: specs/fedpg.md).
+
+Round t, sampled set S_t, step eta_t = eta_0 0.999^t (`optim.lr`, `optim.lr_decay`):
+1. Each sampled client reports L_i = F_i(w^t) and g_i = grad F_i(w^t) on its whole training
+   set (`client_grad: full`, default: all clients from one engine call, `Engine.full_grads`)
+   or the pseudo-gradient (w^t - w_i) / eta_t after E local epochs (`pseudo`).
+   RECONSTRUCTION: the appendix's "5 local epochs" suggests `pseudo`; both are kept.
+2. Clients with ||g_i|| <= 1e-6 are dropped; mu = mean ||g_i||, gh_i = mu g_i / ||g_i||.
+3. Absent-client history: the server keeps each client's last direction g_j/||g_j|| and the
+   round t_j it was seen. With M = clients ever seen, if M > |S_t|: tau = floor(M / |S_t|),
+   every absent client with t - t_j <= tau adds mu g_j/||g_j|| to the rows (the round counts
+   in `history_rounds`).
+4. Fairness gradient (appendix A.1.1): F(w) = -cos(L(w), 1), p = 1/sqrt(m) 1,
+   h = [(L.p) L / ||L|| - p ||L||] / ||L||^2 = dF/dL; g_F = sum_i h_i gh_i rescaled to
+   norm mu; dropped when ~0 (equal losses, one online client).
+5. Q = [gh_online; gh_history; g_F]; lambda = argmin 1/2 l^T (Q Q^T) l on the simplex
+   (eq. 3; cvxopt, float64, from the Gram matrix, `_qp.py`); d = Q^T lambda (the update is
+   w - eta d; the appendix's d^t = -Q lambda with the sign folded in). A failed or degenerate
+   QP falls back to the mean of gh_online (one warning per run; `qp_fallback_rounds`).
+   One online client and no history: d = gh_1 = g_1.
+6. Rescaling: d_old = d; d <- d ||mean_online gh|| / ||d||; while max(-Q d) > 1e-6: halve d
+   if ||d|| > 2 ||d_old||, else d = d_old and stop; sigma = ||d|| / ||d_old||.
+7. FedPG: w^{t+1} = w^t - eta_t d.
+   S-FedPG: the step from appendix Algorithm 1 (`line_search`): eta_ub = 2^s eta_t (eta_t
+   when S^{t-1} is not a subset of S^t; `ub_rule: history`: when history was used),
+   eta_lb = 0.5^s eta_t / sigma; halve from eta_ub while >= eta_lb, each trial querying
+   the online clients' losses at w - eta d; accept the first eta with the Armijo condition
+   (eq. 6) for every online L_i (directional derivative g_i.d) and for F (h.(G_online d),
+   the true gradient of -cos(L, 1)); else the largest tried eta whose mean loss decreased
+   (eq. 7); else the tried eta of smallest mean loss.
+Personalized models (appendix A.1.2, the generalization-protected direction): G = rows
+[gh_online; gh_history], D_j = d.gh_j, K = G G^T; for online client i:
+temp_j = (D_j - K_ij) / D_j (|D_j| >= 1e-12), temp_i = 1, r_i = min(1, 1 / max_j temp_j), so
+that p_i = d + r_i (gh_i - d) keeps p_i.gh_j >= 0 for every row j; p_i <- p_i ||d|| / ||p_i||;
+theta_i = w^t - eta p_i (eta the round's global step). Absent clients keep their last theta_i;
+a client never sampled deploys w.
+gamma (the tables' rows "FedPG gamma=0.3/0.6/1.0"): its role is not public. RECONSTRUCTION:
+the tables make every gamma row more personal than plain FedPG and more so as gamma grows,
+so gamma raises r_i: `gamma_mode: floor` r_i <- max(gamma, r_i) (default), `scale`
+min(1, gamma r_i), `cap` min(gamma, r_i); `gamma: null` (plain FedPG) leaves r_i as is.
+
+Communication per sampled client: up g_i (P) + L_i (1) + one loss per line-search trial;
+down w^t (D) + d (P) + r_i (1) + one step size per trial.
+Buffers: averaged (weights >= 0): the global buffers are the sample-weighted mean of the
+buffers the online clients' passes leave (none for the tables' MLP/CNN/NFResNet); personal
+models take the global buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from fedbench.algorithms._qp import gram, min_norm_weights
+from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.params import hp, nonneg, positive
+
+log = logging.getLogger("fedbench")
+
+GRAD_TOL = 1e-6  # clients with ||g_i|| <= this are dropped (step 2)
+DESCENT_TOL = 1e-6  # step 6: max(-Q d) allowed
+
+
+@dataclass
+class FedPGParams:
+    client_grad: Literal["full", "pseudo"]
+    gamma: float | None = hp(gt=0, le=1)
+    gamma_mode: Literal["floor", "scale", "cap"]
+
+
+@dataclass
+class SFedPGParams(FedPGParams):
+    s: int = nonneg()
+    beta: float = positive()
+    ub_rule: Literal["subset", "history"]
+
+
+# ---------------------------------------------------------------------- the pieces, as math
+def normalize(g: torch.Tensor, tol: float = GRAD_TOL):
+    """(keep [C] bool, mu, gh [kept, P]): drop tiny gradients, rescale the rest to the mean
+    norm mu (step 2)."""
+    norms = g.norm(dim=1)
+    keep = torch.isfinite(norms) & (norms > tol)
+    if not bool(keep.any()):
+        return keep, 0.0, g[:0]
+    n = norms[keep]
+    mu = float(n.mean())
+    return keep, mu, g[keep] * (mu / n)[:, None]
+
+
+def fairness_weights(L: torch.Tensor) -> torch.Tensor:
+    """h = dF/dL of F(L) = -cos(L, 1) (appendix A.1.1), in float64."""
+    L = L.double()
+    m = L.numel()
+    p = torch.full_like(L, 1 / math.sqrt(m))
+    nL = L.norm()
+    return ((L @ p) * L / nL - p * nL) / nL**2
+
+
+def fairness_value(L: torch.Tensor) -> float:
+    """F(L) = -(L.1) / (||L|| ||1||)."""
+    L = L.double()
+    return float(-(L.sum() / math.sqrt(L.numel())) / L.norm().clamp_min(1e-300))
+
+
+def fairness_row(L: torch.Tensor, gh: torch.Tensor, mu: float) -> torch.Tensor | None:
+    """g_F = sum_i h_i gh_i rescaled to norm mu; None when ~0 (step 4)."""
+    if L.numel() < 2:
+        return None
+    h = fairness_weights(L).to(gh.dtype)
+    gF = h @ gh
+    n = float(gF.norm())
+    if not math.isfinite(n) or n <= 1e-8 * max(mu, 1e-12):
+        return None
+    return gF * (mu / n)
+
+
+def min_norm_direction(Q: torch.Tensor) -> tuple[torch.Tensor, np.ndarray] | None:
+    """d = Q^T lambda with lambda the min-norm simplex weights (step 5); None if the QP fails."""
+    lam = min_norm_weights(gram(Q))
+    if lam is None:
+        return None
+    d = (torch.from_numpy(lam).to(Q.device, torch.float64) @ Q.double()).to(Q.dtype)
+    return d, lam
+
+
+def rescale(d: torch.Tensor, Q: torch.Tensor, target: float, tol: float = DESCENT_TOL):
+    """Step 6: (d, sigma) with d rescaled to norm `target` unless that breaks Q d >= -tol."""
+    n_old = float(d.norm())
+    if n_old <= 0 or not math.isfinite(n_old) or target <= 0:
+        return d, 1.0
+    d_old = d
+    d = d * (target / n_old)
+    Q64 = Q.double()
+    while float((-(Q64 @ d.double())).max()) > tol:
+        if float(d.norm()) > 2 * n_old:
+            d = d / 2
+        else:
+            d = d_old
+            break
+    return d, float(d.norm()) / n_old
+
+
+def personal_coeffs(d: torch.Tensor, G: torch.Tensor, online: int) -> torch.Tensor:
+    """r_i (float64 [online]) of the first `online` rows of G (appendix A.1.2)."""
+    D = G.double() @ d.double()  # D_j = d . gh_j
+    K = torch.from_numpy(gram(G)).to(D.device)
+    ok = D.abs() >= 1e-12
+    r = torch.ones(online, dtype=torch.float64, device=D.device)
+    for i in range(online):
+        temp = torch.where(ok, (D - K[i]) / torch.where(ok, D, 1.0), -torch.inf)
+        temp[i] = 1.0
+        r[i] = min(1.0, 1.0 / float(temp.max()))
+    return r
+
+
+def apply_gamma(r: torch.Tensor, gamma: float | None, mode: str) -> torch.Tensor:
+    """The gamma rows' reading of r_i (RECONSTRUCTION, see the module docstring)."""
+    if gamma is None:
+        return r
+    if mode == "floor":
+        return r.clamp(min=gamma)
+    if mode == "scale":
+        return (gamma * r).clamp(max=1.0)
+    return r.clamp(max=gamma)  # cap
+
+
+def personal_directions(d: torch.Tensor, gh: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """p_i = d + r_i (gh_i - d), rescaled to ||d|| ([online, P])."""
+    p = d[None, :] + r.to(gh.dtype)[:, None] * (gh - d[None, :])
+    n = p.norm(dim=1, keepdim=True)
+    return torch.where(n > 0, p * (d.norm() / n.clamp_min(1e-30)), p)
+
+
+def line_search(
+    loss_at,
+    eta: float,
+    *,
+    s: int,
+    sigma: float,
+    shrink_ub: bool,
+    L0: torch.Tensor,
+    gd: torch.Tensor,
+    dF: float,
+    beta: float,
+) -> tuple[float, int]:
+    """Appendix Algorithm 1: (the step, the number of loss queries). `loss_at(eta)` returns
+    the online clients' losses [m] at w - eta d; L0 their losses at w, gd [m] = g_i.d,
+    dF = h.(G_online d). At least one trial is made."""
+    eta_ub = eta if shrink_ub else eta * 2**s
+    eta_lb = eta * 0.5**s / max(sigma, 1e-12)
+    L0 = L0.double()
+    gd = gd.double()
+    F0 = fairness_value(L0)
+    tried: list[tuple[float, torch.Tensor]] = []
+    e = eta_ub
+    while e >= eta_lb or not tried:
+        L = loss_at(e).double()
+        tried.append((e, L))
+        armijo = bool((L0 - beta * e * gd >= L).all())
+        armijo = armijo and fairness_value(L) <= F0 - beta * e * dF
+        if armijo:
+            return e, len(tried)
+        e /= 2
+    base = float(L0.mean())
+    better = [(e, L) for e, L in tried if float(L.mean()) < base]
+    if better:
+        return max(e for e, _ in better), len(tried)
+    return min(tried, key=lambda el: float(el[1].mean()))[0], len(tried)
+
+
+# ---------------------------------------------------------------------- the algorithm
+@ALGORITHMS.register("fedpg")
+class FedPG(Algorithm):
+    name = "fedpg"
+    Params = FedPGParams
+    has_global = True
+    attackable = True
+    line_search = False
+    state_keys = ("w", "theta", "seen", "hist", "last", "prev", "counts")
+
+    def __init__(self, cfg, fed, engine, model_fn) -> None:
+        super().__init__(cfg, fed, engine, model_fn)
+        self.w = engine.initial_state()
+        self.theta = self.w.repeat(self.N, 1)
+        self.seen = torch.zeros(self.N, dtype=torch.bool, device=self.device)
+        P = engine.n_params
+        self.hist = torch.zeros(self.N, P, device=self.device)  # last g_j / ||g_j||
+        self.last = torch.full((self.N,), -1, dtype=torch.long, device=self.device)
+        self.prev = torch.zeros(self.N, dtype=torch.bool, device=self.device)  # S^{t-1}
+        # cumulative: [QP fallbacks, rounds that used history, line-search queries]
+        self.counts = torch.zeros(3, dtype=torch.long)
+        self._warned = False
+        self.timing: dict[str, float] = {}
+
+    # -------------------------------------------------------------- client reports
+    def reports(self, t: int, clients) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        """(L [C] at w^t, g [C, P], buffers [C, D-P], mean local training loss)."""
+        P, w = self.engine.n_params, self.w
+        if self.hp.client_grad == "full":
+            res = self.engine.full_grads(w, clients)
+            return res.loss, res.grads, res.buffers, float(res.loss.mean())
+        eta = self.optim.lr_at(t)
+        tr = self.local_train(w, clients, t)
+        g = (w[None, :P] - tr.states[:, :P]) / eta
+        L = self.engine.full_grads(w, clients, with_grad=False).loss
+        return L, g, tr.states[:, P:], float(tr.loss.mean())
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def round(self, t: int, clients: np.ndarray) -> dict:
+        clients = np.asarray(clients)
+        P, D = self.engine.n_params, self.engine.n_state
+        w, eta = self.w, self.optim.lr_at(t)
+        idx = torch.as_tensor(clients, device=self.device)
+        t0 = time.perf_counter()
+        L, g, bufs, train_loss = self.reports(t, clients)
+        g = self.receive(g, clients, ref=w, kind="grad")
+        L = self.receive(L[:, None], clients, kind="loss")[:, 0]
+        self._sync()
+        t1 = time.perf_counter()
+
+        keep, mu, gh = normalize(g)
+        on = idx[keep]
+        m = int(on.numel())
+        trials = 0
+        if m == 0:  # nothing to learn from: w stays, sampled clients deploy it
+            d, step = torch.zeros(P, device=self.device), 0.0
+            self.timing.update(qp=0.0, line_search=0.0)
+        else:
+            g_on, L_on = g[keep], L[keep]
+            # step 3: absent clients' history (stored before this round's directions)
+            ever = int(((self.last >= 0) | self._mask(idx)).sum())
+            hist_ids = torch.zeros(0, dtype=torch.long, device=self.device)
+            if ever > len(clients):
+                tau = ever // len(clients)
+                absent = ~self._mask(idx) & (self.last >= 0) & (t - self.last <= tau)
+                hist_ids = absent.nonzero().flatten()
+            H = mu * self.hist[hist_ids]
+            if hist_ids.numel():
+                self.counts[1] += 1
+            self.hist[on] = g_on / g_on.norm(dim=1, keepdim=True)
+            self.last[on] = t
+            # steps 4-6
+            gF = fairness_row(L_on, gh, mu)
+            G = torch.cat([gh, H])
+            Q = G if gF is None else torch.cat([G, gF[None]])
+            mean_gh = gh.mean(0)
+            sigma = 1.0
+            if Q.shape[0] == 1:
+                d = gh[0]
+            else:
+                found = min_norm_direction(Q)
+                if found is None:
+                    self.counts[0] += 1
+                    if not self._warned:
+                        self._warned = True
+                        log.warning(
+                            "fedpg: the min-norm QP failed or was degenerate at round %d; "
+                            "using the mean gradient (counted in qp_fallback_rounds)",
+                            t + 1,
+                        )
+                    d = mean_gh
+                else:
+                    d, sigma = rescale(found[0], Q, float(mean_gh.norm()))
+            self._sync()
+            t2 = time.perf_counter()
+            step = eta
+            if self.line_search:
+                step, trials = self.search(t, clients, keep, L_on, g_on, d, sigma, eta, hist_ids)
+                self.counts[2] += trials
+            self.timing["line_search"] = time.perf_counter() - t2
+            # personalized directions (A.1.2)
+            r = apply_gamma(personal_coeffs(d, G, m), self.hp.gamma, self.hp.gamma_mode)
+            p = personal_directions(d, gh, r)
+            self.timing["qp"] = t2 - t1
+
+        # global update and buffers
+        new = w.clone()
+        new[:P] = w[:P] - step * d
+        if D > P and m > 0:
+            new[P:] = self.weights(clients[keep.cpu().numpy()]) @ bufs[keep]
+        theta = new.repeat(len(clients), 1)
+        theta[:, :P] = w[:P] - step * d  # dropped clients: p_i = d
+        if m > 0:
+            theta[keep, :P] = w[None, :P] - step * p
+        self.theta[idx] = theta
+        self.seen[idx] = True
+        self.w = new
+        self.prev = self._mask(idx)
+        self.timing["grads"] = t1 - t0
+        C = len(clients)
+        up = C * (P + 1 + trials)
+        down = C * (D + P + 1 + trials)
+        return {
+            "train_loss": train_loss,
+            **self.comm(clients, up=up, down=down),
+            "qp_fallback_rounds": int(self.counts[0]),
+            "history_rounds": int(self.counts[1]),
+            "line_search_queries": int(self.counts[2]),
+            "step": float(step),
+        }
+
+    def _mask(self, idx: torch.Tensor) -> torch.Tensor:
+        m = torch.zeros(self.N, dtype=torch.bool, device=self.device)
+        m[idx] = True
+        return m
+
+    def search(self, t, clients, keep, L_on, g_on, d, sigma, eta, hist_ids) -> tuple[float, int]:
+        """S-FedPG's step (Algorithm 1); each trial queries the online clients' losses."""
+        on = clients[keep.cpu().numpy()]
+        P = self.engine.n_params
+        if self.hp.ub_rule == "subset":
+            shrink = bool((self.prev & ~self._mask(torch.as_tensor(clients))).any())
+        else:
+            shrink = hist_ids.numel() > 0
+        gd = g_on.double() @ d.double()
+        dF = float(fairness_weights(L_on) @ gd) if L_on.numel() > 1 else 0.0
+
+        def loss_at(e: float) -> torch.Tensor:
+            x = self.w.clone()
+            x[:P] -= e * d
+            L = self.engine.full_grads(x, on, with_grad=False).loss
+            return self.receive(L[:, None], on, kind="loss")[:, 0]
+
+        return line_search(
+            loss_at,
+            eta,
+            s=int(self.hp.s),
+            sigma=sigma,
+            shrink_ub=shrink,
+            L0=L_on,
+            gd=gd,
+            dF=dF,
+            beta=float(self.hp.beta),
+        )
+
+    # -------------------------------------------------------------- the contract
+    def personal_states(self) -> torch.Tensor:
+        return torch.where(self.seen[:, None], self.theta, self.w)
+
+    def personal_state(self, i: int) -> torch.Tensor:
+        return self.theta[i] if bool(self.seen[i]) else self.w
+
+    def global_state(self) -> torch.Tensor:
+        return self.w
+
+
+@ALGORITHMS.register("sfedpg")
+class SFedPG(FedPG):
+    """S-FedPG: FedPG with appendix Algorithm 1's step-size line search (see `FedPG`)."""
+
+    name = "sfedpg"
+    Params = SFedPGParams
+    line_search = True
