@@ -1,0 +1,144 @@
+"""APFL (Deng, Kamani, Mahdavi: "Adaptive Personalized Federated Learning", 2020, Algorithm 1;
+specs/fedpg.md "Baselines").
+
+Each client keeps a personal model v_i and a mixing weight alpha_i; its personalized model is
+theta_i = alpha_i v_i + (1 - alpha_i) w_i. Per local step on a batch (all at the same point):
+    w_i     <- w_i - eta grad F_i(w_i)                               (local copy of the global)
+    v_i     <- v_i - eta grad_v F_i(alpha_i v_i + (1 - alpha_i) w_i) = ... alpha_i grad F_i(theta_i)
+    alpha_i <- alpha_i - eta (v_i - w_i) . grad F_i(theta_i)          (`adaptive: true`, eq. 10)
+The server averages the clients' w_i (weights n_i / n). `adaptive: false` keeps alpha fixed.
+One optimizer step on CE(w(x)) + CE(theta(x)) with w detached inside theta gives exactly these
+three gradients (the module `APFLModel`, trained by its own engine, sequential backend).
+RECONSTRUCTION: alpha is projected onto [0, 1] inside each step's forward (the clamp's value
+with alpha's own gradient passed through) and in the state at the end of the round, where
+PFLlib clips after every step.
+Defaults: alpha 0.5 fixed (spec); the FedPG authors start at 0.1 and adapt it (FedPG presets).
+
+Personalized model: alpha_i v_i + (1 - alpha_i) w_i with the client's w_i after its last
+local training; a client never sampled deploys w. Global model: w.
+Buffers: w's averaged (weights >= 0) with w; v's kept local; the personalized model uses the
+client's w_i buffers.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from fedbench.algorithms._shared import WithTrainer, make_engine, train_on
+from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.params import fraction
+
+
+def base_columns(sub, base, prefix: str, device=None) -> torch.Tensor:
+    """[D_base] positions in a state of layout `sub` (ModelSpec) of the entries of layout
+    `base` named `prefix + name` (parameters, then buffers, in base's order)."""
+    cols = []
+    for e in base.params + base.buffers:
+        s = sub.index[prefix + e.name]
+        cols.append(torch.arange(s.start, s.stop))
+    return torch.cat(cols).to(device)
+
+
+class APFLModel(nn.Module):
+    """w (the run's model, the local copy of the global), v (a personal copy), alpha."""
+
+    def __init__(self, base: nn.Module, alpha: float) -> None:
+        super().__init__()
+        self.w = base
+        self.v = copy.deepcopy(base)
+        self.alpha = nn.Parameter(torch.tensor([float(alpha)]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w(x)
+
+
+def apfl_loss(model: APFLModel, x, y, c, adaptive: bool) -> torch.Tensor:
+    """CE of w + CE of theta = alpha v + (1 - alpha) w.detach() (alpha detached if fixed)."""
+    a = model.alpha
+    a = a + (a.clamp(0.0, 1.0) - a).detach()
+    if not adaptive:
+        a = a.detach()
+    mixed = {
+        n: a * pv + (1 - a) * pw.detach()
+        for (n, pw), (_, pv) in zip(model.w.named_parameters(), model.v.named_parameters())
+    }
+    return F.cross_entropy(model.w(x), y) + F.cross_entropy(
+        functional_call(model.w, mixed, (x,)), y
+    )
+
+
+@dataclass
+class APFLParams:
+    alpha: float = fraction()
+    adaptive: bool
+
+
+@ALGORITHMS.register("apfl")
+class APFL(WithTrainer, Algorithm):
+    name = "apfl"
+    Params = APFLParams
+    has_global = True
+    attackable = True
+    state_keys = ("w", "rows", "seen")
+
+    def __init__(self, cfg, fed, engine, model_fn) -> None:
+        super().__init__(cfg, fed, engine, model_fn)
+        base = model_fn()
+        engine.to_module(engine.initial_state(), base)
+        self.trainer = make_engine(self, APFLModel(base, float(self.hp.alpha)))
+        spec, dev = self.trainer.spec, self.device
+        self.wcols = base_columns(spec, engine.spec, "w.", dev)
+        self.vcols = base_columns(spec, engine.spec, "v.", dev)
+        self.acol = spec.index["alpha"].start
+        self.trainable = None
+        if not self.hp.adaptive:
+            self.trainable = torch.ones(spec.n_params, dtype=torch.bool, device=dev)
+            self.trainable[self.acol] = False
+        self.w = engine.initial_state()
+        self.rows = self.trainer.initial_state().repeat(self.N, 1)  # [N, D']: w_i, v_i, alpha_i
+        self.seen = torch.zeros(self.N, dtype=torch.bool, device=dev)
+
+    def round(self, t: int, clients: np.ndarray) -> dict:
+        idx = torch.as_tensor(clients, device=self.device)
+        start = self.rows[idx].clone()
+        start[:, self.wcols] = self.w
+        loss = partial(apfl_loss, adaptive=bool(self.hp.adaptive))
+        res = train_on(
+            self, self.trainer, start, clients, t, objective=loss, trainable=self.trainable
+        )
+        states = res.states
+        states[:, self.acol] = states[:, self.acol].clamp(0.0, 1.0)
+        local = self.receive(states[:, self.wcols], clients, ref=self.w, kind="model")
+        states[:, self.wcols] = local
+        self.rows[idx] = states
+        self.seen[idx] = True
+        self.w = self.weights(clients) @ local
+        return {
+            "train_loss": res.loss.mean(),
+            **self.comm(clients),
+            "alpha_mean": float(self.rows[self.seen, self.acol].mean()),
+        }
+
+    def personal_state(self, i: int) -> torch.Tensor:
+        if not bool(self.seen[i]):
+            return self.w
+        row = self.rows[i]
+        P = self.engine.n_params
+        a = row[self.acol]
+        out = row[self.wcols].clone()
+        out[:P] = a * row[self.vcols[:P]] + (1 - a) * out[:P]
+        return out
+
+    def personal_states(self) -> torch.Tensor:
+        return torch.stack([self.personal_state(i) for i in range(self.N)])
+
+    def global_state(self) -> torch.Tensor:
+        return self.w

@@ -1,0 +1,104 @@
+"""FedMGDA+ (Hu, Shaloudegi, Zhang, Yu: "Federated Learning Meets Multi-objective
+Optimization", IEEE TNSE 2022, Algorithm 2; specs/fedpg.md "Baselines").
+
+Round t: each sampled client i trains E local epochs from w^t to w_i and uploads it; the
+server normalizes the updates, gh_i = (w^t - w_i) / ||w^t - w_i|| (gradient normalization),
+and finds the min-norm convex combination within eps of the data weights:
+
+    lambda = argmin_l || sum_i l_i gh_i ||^2   s.t.  l on the simplex,
+             lambda0_i - eps <= l_i <= lambda0_i + eps,   lambda0_i = n_i / sum_j n_j
+
+(cvxopt, float64, from the Gram matrix: `_qp.min_norm_weights` with the box), then
+w^{t+1} = w^t - eta sum_i lambda_i gh_i, eta = `server_lr` (the paper's global learning rate;
+1.0 is the middle of its grid, RECONSTRUCTION of the FedPG tables' value). A failed QP falls
+back to lambda0 (counted in `qp_fallback_rounds`). Clients whose update is ~0 are left out.
+
+Personalized model (FedPG appendix L317, "we follow [4]"): a client's model after its last
+local training; a client never sampled deploys w.
+Buffers: averaged (weights lambda0 >= 0) over the sampled clients' trained states.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedbench.algorithms._qp import gram, min_norm_weights
+from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.params import fraction, positive
+
+log = logging.getLogger("fedbench")
+
+
+@dataclass
+class FedMGDAParams:
+    eps: float = fraction()
+    server_lr: float = positive()
+
+
+def box_weights(gh: torch.Tensor, lam0: np.ndarray, eps: float) -> np.ndarray | None:
+    """The min-norm weights over the simplex intersected with [lam0 - eps, lam0 + eps]."""
+    return min_norm_weights(gram(gh), lo=lam0 - eps, hi=lam0 + eps)
+
+
+@ALGORITHMS.register("fedmgda")
+class FedMGDA(Algorithm):
+    name = "fedmgda"
+    Params = FedMGDAParams
+    has_global = True
+    attackable = True
+    state_keys = ("w", "theta", "seen", "fallbacks")
+
+    def __init__(self, cfg, fed, engine, model_fn) -> None:
+        super().__init__(cfg, fed, engine, model_fn)
+        self.w = engine.initial_state()
+        self.theta = self.w.repeat(self.N, 1)
+        self.seen = torch.zeros(self.N, dtype=torch.bool, device=self.device)
+        self.fallbacks = 0
+        self.last_lambda: np.ndarray | None = None
+
+    def round(self, t: int, clients: np.ndarray) -> dict:
+        P = self.engine.n_params
+        res = self.local_train(self.w, clients, t)
+        states = self.receive(res.states, clients, ref=self.w, kind="model")
+        idx = torch.as_tensor(clients, device=self.device)
+        self.theta[idx] = states
+        self.seen[idx] = True
+        lam0_all = self.weights(clients)
+        delta = self.w[None, :P] - states[:, :P]
+        norms = delta.norm(dim=1)
+        keep = torch.isfinite(norms) & (norms > 1e-12)
+        new = self.w.clone()
+        if bool(keep.any()):
+            gh = delta[keep] / norms[keep, None]
+            lam0 = lam0_all[keep].double().cpu().numpy()
+            lam0 = lam0 / lam0.sum()
+            lam = box_weights(gh, lam0, float(self.hp.eps))
+            if lam is None:
+                self.fallbacks += 1
+                if self.fallbacks == 1:
+                    log.warning("fedmgda: the QP failed at round %d; using lambda0", t + 1)
+                lam = lam0
+            self.last_lambda = lam
+            lam_t = torch.as_tensor(lam, dtype=gh.dtype, device=self.device)
+            new[:P] = self.w[:P] - float(self.hp.server_lr) * (lam_t @ gh)
+        if self.engine.n_state > P:
+            new[P:] = lam0_all @ states[:, P:]
+        self.w = new
+        return {
+            "train_loss": res.loss.mean(),
+            **self.comm(clients),
+            "qp_fallback_rounds": self.fallbacks,
+        }
+
+    def personal_states(self) -> torch.Tensor:
+        return torch.where(self.seen[:, None], self.theta, self.w)
+
+    def personal_state(self, i: int) -> torch.Tensor:
+        return self.theta[i] if bool(self.seen[i]) else self.w
+
+    def global_state(self) -> torch.Tensor:
+        return self.w
