@@ -1,0 +1,225 @@
+"""FedSLR (specs/fedslr.md): the prox operators against hand-computed values, the
+memory-efficient server against the per-client form, the zero-penalty reduction, and a
+real FMNIST run whose mixed model learns while its GKR becomes low rank."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from conftest import make_algo, run_small
+from fedbench.algorithms.fedslr import FedSLR
+from fedbench.engine.prox import (
+    factorized_params,
+    from_matrix,
+    matrix_ranks,
+    nuclear_prox,
+    soft_threshold,
+    svt,
+    to_matrix,
+)
+from fedbench.engine.spec import ModelSpec
+from fedbench.engine.terms import Proximal
+
+
+def rot(a: float) -> torch.Tensor:
+    return torch.tensor([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]])
+
+
+# ------------------------------------------------------------------ prox operators
+def test_svt_hand_computed():
+    # W = U diag(3, 0.5) V^T with rotations U (30 deg), V (45 deg); tau = 1:
+    # singular values 3 -> 2, 0.5 -> 0, so the result is 2 u1 v1^T and the rank drops to 1.
+    U, V = rot(math.pi / 6), rot(math.pi / 4)
+    W = U @ torch.diag(torch.tensor([3.0, 0.5])) @ V.T
+    out, rank = svt(W, 1.0)
+    expect = 2.0 * torch.outer(U[:, 0], V[:, 0])
+    assert torch.allclose(out, expect, atol=1e-6)
+    assert int(rank) == 1
+    assert torch.allclose(torch.linalg.svdvals(out), torch.tensor([2.0, 0.0]), atol=1e-6)
+    # tau below every singular value: each shrinks by tau, rank stays
+    out, rank = svt(W, 0.25)
+    assert torch.allclose(torch.linalg.svdvals(out), torch.tensor([2.75, 0.25]), atol=1e-6)
+    assert int(rank) == 2
+    # a diagonal case by hand
+    out, rank = svt(torch.diag(torch.tensor([3.0, 1.0, 0.5])), 0.75)
+    assert torch.allclose(out, torch.diag(torch.tensor([2.25, 0.25, 0.0])), atol=1e-6)
+    assert int(rank) == 2
+
+
+def test_conv_reshape_round_trip_and_layout():
+    w = torch.randn(5, 3, 2, 4)
+    m = to_matrix(w)
+    assert m.shape == (5 * 2, 3 * 4)
+    # (out, in, kh, kw) -> (out, kh, in, kw) -> (out*kh, in*kw)
+    for o, i, a, b in [(0, 0, 0, 0), (4, 2, 1, 3), (2, 1, 0, 2)]:
+        assert m[o * 2 + a, i * 4 + b] == w[o, i, a, b]
+    assert torch.equal(from_matrix(m, w.shape), w)
+    lin = torch.randn(4, 7)
+    assert torch.equal(to_matrix(lin), lin)
+    assert torch.equal(from_matrix(to_matrix(lin), lin.shape), lin)
+
+
+def test_soft_threshold():
+    x = torch.tensor([-2.0, -0.3, 0.0, 0.2, 0.5, 3.0])
+    assert torch.allclose(soft_threshold(x, 0.5), torch.tensor([-1.5, 0.0, 0.0, 0.0, 0.0, 2.5]))
+    assert torch.equal(soft_threshold(x, 0.0), x)
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.conv2 = nn.Conv2d(4, 4, 3)  # same matrix shape (12, 12) as conv: one batched SVD
+        self.norm = nn.GroupNorm(2, 4)
+        self.fc = nn.Linear(8, 5)
+
+
+def test_nuclear_prox_per_layer():
+    torch.manual_seed(0)
+    model = ConvNet()
+    spec = ModelSpec(model)
+    w = spec.flatten(model)
+    out, ranks = nuclear_prox(w, spec, 0.3)
+    assert [r.name for r in ranks] == ["conv.weight", "conv2.weight", "fc.weight"]
+    for e in spec.params:
+        a, b = w[e.start : e.stop].view(e.shape), out[e.start : e.stop].view(e.shape)
+        if len(e.shape) < 2:  # biases and norm parameters: untouched
+            assert torch.equal(a, b)
+            continue
+        s = torch.linalg.svdvals(to_matrix(a))
+        s2 = torch.linalg.svdvals(to_matrix(b))
+        expect = (s - 0.3).clamp_min(0)
+        assert torch.allclose(s2, expect, atol=1e-5), e.name
+        r = next(r for r in ranks if r.name == e.name)
+        assert r.rank == int((expect > 0).sum())
+    # a large tau zeroes every matrix: the factorized size is the 1-D tensors alone
+    out, ranks = nuclear_prox(w, spec, 100.0)
+    assert all(r.rank == 0 for r in ranks)
+    n_1d = sum(e.stop - e.start for e in spec.params if len(e.shape) < 2)
+    assert factorized_params(spec, ranks) == n_1d
+    # full rank: a matrix costs min(r (m + n), m n) = m n
+    full = matrix_ranks(w, spec)
+    assert factorized_params(spec, full) == spec.n_params
+    # rank 1 of fc (5 x 8): 13 numbers instead of 40
+    r1 = [r if r.name != "fc.weight" else type(r)(r.name, 5, 8, 1) for r in full]
+    assert factorized_params(spec, r1) == spec.n_params - 40 + 13
+
+
+# ------------------------------------------------------------------ the server
+class PerClientFedSLR(FedSLR):
+    """The per-client server form: z = mean x_i - (1 / (alpha N)) sum over all N clients of
+    their stored lambda_i (no running h)."""
+
+    def server_average(self, x):
+        P = self.engine.n_params
+        z = x.mean(0)
+        z[:P] -= self.lam.sum(0) / (self.alpha * self.N)
+        return z
+
+
+def test_memory_efficient_server_equals_per_client_form():
+    extra = ["algo.rank_penalty=0.03", "algo.sparse_penalty=0.01"]
+    algo, eng, fed = make_algo("fedslr", extra)
+    cfg = algo.cfg
+    ref = PerClientFedSLR(cfg, fed, eng, algo.model_fn)
+    schedule = [[0, 2], [1], [1, 2], [0], [0, 1, 2], [2]]
+    for t, clients in enumerate(schedule):
+        a = algo.round(t, np.array(clients))
+        b = ref.round(t, np.array(clients))
+        assert torch.allclose(algo.theta, ref.theta, atol=1e-5), t
+        assert torch.allclose(algo.p, ref.p, atol=1e-5), t
+        assert a["gkr_params"] == b["gkr_params"]
+    # h is the mean of the stored lambda_i
+    assert torch.allclose(algo.h, algo.lam.mean(0), atol=1e-6)
+    # the prox acted (the penalty is scaled to this toy model): the GKR lost rank
+    assert any(r.rank < r.full for r in algo.ranks)
+
+
+def test_zero_penalties_reduce_to_feddyn_and_plain_fusion_sgd():
+    extra = ["algo.rank_penalty=0", "algo.sparse_penalty=0", "optim.weight_decay=0.01"]
+    slr, eng, fed = make_algo("fedslr", extra)
+    dyn, _, _ = make_algo("feddyn", ["optim.weight_decay=0.01"], fed=fed)
+    for t, clients in enumerate([[0, 2], [1], [0, 1, 2]]):
+        sent = slr.theta.clone()
+        p_before = slr.p.clone()
+        slr.round(t, np.array(clients))
+        dyn.round(t, np.array(clients))
+        # Phase I without the prox is FedDyn
+        assert torch.allclose(slr.theta, dyn.theta, atol=1e-6), t
+        # Phase II without soft-thresholding: SGD on f_i(theta^t + p) + (wd / 2) ||p||^2, the
+        # engine's own loop on the state theta^t + p with a proximal term at theta^t
+        P = eng.n_params
+        for i in clients:
+            start = sent.clone()
+            start[:P] += p_before[i]
+            res = slr.local_train(
+                start,
+                [i],
+                t,
+                epochs=1,
+                terms=[Proximal(sent, 0.01)],
+                optim=slr.optim.replace(weight_decay=0.0),
+                salt=1,
+            )
+            assert torch.allclose(slr.p[i], res.states[0, :P] - sent[:P], atol=1e-5), (t, i)
+
+
+def test_p_init_and_sparsity():
+    algo, eng, _ = make_algo("fedslr", ["algo.sparse_penalty=0.5"])
+    P = eng.n_params
+    # copy: Conv/Linear weights and biases start as the initial weights (the MLP: all of them)
+    assert torch.equal(algo.p[1], algo.theta[:P])
+    algo.round(0, np.array([0, 1]))
+    # soft-thresholding at eta * lambda_s = 0.05 makes p sparse; client 2 not trained yet
+    assert (algo.p[0] == 0).float().mean() > 0.3
+    assert torch.equal(algo.p[2], eng.initial_state()[:P])
+    zero, _, _ = make_algo("fedslr", ["algo.p_init=zero"])
+    assert not zero.p.any()
+    # the mixed model is GKR + p_i, one row at a time
+    s = algo.personal_state(0)
+    assert torch.allclose(s[:P], algo.theta[:P] + algo.p[0])
+    assert torch.allclose(algo.personal_states()[0], s)
+
+
+def test_checkpoint_round_trip():
+    algo, eng, fed = make_algo("fedslr", ["algo.rank_penalty=0.002"])
+    algo.round(0, np.array([0, 2]))
+    state = {
+        k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in algo.state_dict().items()
+    }
+    other, _, _ = make_algo("fedslr", ["algo.rank_penalty=0.002"], fed=fed)
+    other.load_state_dict(state)
+    algo.round(1, np.array([1, 2]))
+    other.round(1, np.array([1, 2]))
+    for k in ("theta", "lam", "h", "p"):
+        assert torch.allclose(getattr(algo, k), getattr(other, k), atol=1e-6), k
+
+
+# ------------------------------------------------------------------ real FMNIST
+@pytest.mark.slow
+def test_fedslr_learns_fmnist_and_gkr_becomes_low_rank(tmp_path):
+    # 20 clients pat-2, MLP 784-64-10, 5 rounds; the rank penalty scaled to this run
+    # (lambda_r = 0.01, tau = 0.1: the paper's 1e-4 barely moves an MLP in 5 rounds)
+    summary, run = run_small(
+        tmp_path,
+        ["algo=fedslr", "optim.lr=0.05", "algo.rank_penalty=0.01", "algo.sparse_penalty=0.01"],
+        rounds=5,
+    )
+    final = summary["final"]
+    assert final["personal"]["L"]["avg"] > 0.85  # chance 0.5 on a client's 2 classes
+    assert final["global"]["L"]["avg"] > 0.4  # chance 0.1 over 10 classes
+    m = pd.read_csv(tmp_path / "metrics.csv").iloc[-1]
+    ranks = {c: m[c] for c in m.index if c.startswith("rank.")}
+    assert ranks["rank.body.fc1.weight"] < 64 or ranks["rank.head.weight"] < 10
+    full = run.engine.n_params
+    assert m["gkr_params"] < full
+    assert summary["size"]["params_global_M"] == pytest.approx(m["gkr_params"] / 1e6)
+    assert 0 < m["p_density"] < 1
+    # downlink: the GKR factorized (at the rank of the round's start); uplink: the dense x_i
+    assert summary["size"]["down_MB"] <= summary["size"]["up_MB"]
