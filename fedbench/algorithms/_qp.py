@@ -56,7 +56,7 @@ def min_norm_weights(
     Ks = 0.5 * (Ks + Ks.T) + ridge * np.eye(m)
     G = np.vstack([-np.eye(m), np.eye(m)])
     h = np.concatenate([-lo, hi])
-    solvers.options["show_progress"] = False
+    opts = {"show_progress": False, "abstol": 1e-12, "reltol": 1e-11, "feastol": 1e-12}
     try:
         sol = solvers.qp(
             matrix(Ks),
@@ -65,6 +65,7 @@ def min_norm_weights(
             matrix(h),
             matrix(np.ones((1, m))),
             matrix(np.ones(1)),
+            options=opts,
         )
     except (ValueError, ArithmeticError):
         return None
