@@ -1,0 +1,164 @@
+"""FedSLR's baselines (specs/fedslr.md): FedDyn and SCAFFOLD remove client drift on
+heterogeneous quadratic clients where FedAvg with many local steps does not; LG-FedAvg
+and FedSpa move only what they should; per-client state survives a checkpoint; every
+algorithm of the FedSLR issue learns on real FMNIST."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import compose, make_algo, run_small
+from fedbench.algorithms import ALGORITHMS
+from fedbench.engine import Engine
+
+
+class QuadFed:
+    """Three least-squares clients f_i(w) = 0.5 mean_b (x_b . w - y_b)^2 with different
+    inputs and targets: their minimizers differ (heterogeneous), one full batch each."""
+
+    def __init__(self, dim: int = 4, sizes=(8, 8, 8)) -> None:
+        g = torch.Generator().manual_seed(3)
+        xs, ys = [], []
+        for k, n in enumerate(sizes):
+            scale = torch.tensor([1.0, 0.3, 2.0, 0.7]).roll(k)[:dim]
+            x = torch.randn(n, dim, generator=g) * scale
+            w_k = torch.randn(dim, generator=g) * 2
+            xs.append(x)
+            ys.append(x @ w_k + 0.1 * torch.randn(n, generator=g))
+        self.x, self.y = torch.cat(xs), torch.cat(ys)
+        self.num_clients = len(sizes)
+        starts = torch.tensor([0, *sizes]).cumsum(0)
+        self.train_idx = [torch.arange(int(starts[i]), int(starts[i + 1])) for i in range(3)]
+        self.test_idx = self.train_idx
+        self.s_idx = self.g_idx = None
+        self.train_sizes = torch.tensor([float(s) for s in sizes])
+
+    def batch(self, idx, train=True):
+        return self.x[idx], self.y[idx]
+
+    def minimizer(self) -> torch.Tensor:
+        """argmin (1/N) sum_i f_i: sum_i X_i^T X_i / n_i w = sum_i X_i^T y_i / n_i."""
+        A = sum(self.x[i].T @ self.x[i] / len(i) for i in self.train_idx)
+        b = sum(self.x[i].T @ self.y[i] / len(i) for i in self.train_idx)
+        return torch.linalg.solve(A, b)
+
+
+class QuadEngine(Engine):
+    """The engine with the squared error as the clients' objective."""
+
+    def train(self, *args, **kw):
+        kw["objective"] = lambda model, x, y, c: 0.5 * ((model(x).squeeze(-1) - y) ** 2).mean()
+        return super().train(*args, **kw)
+
+
+def quad_algo(name: str, extra=()):
+    fed = QuadFed()
+    cfg = compose(
+        [
+            f"algo={name}",
+            "batch_size=100",  # full batch: deterministic local gradient descent
+            "local_epochs=10",  # many local steps: FedAvg drifts
+            "optim.lr=0.05",
+            *extra,
+        ]
+    )
+    torch.manual_seed(0)
+    model_fn = lambda: nn.Linear(4, 1, bias=False)  # noqa: E731
+    eng = QuadEngine(fed, model_fn(), device="cpu", backend="sequential")
+    return ALGORITHMS.get(name)(cfg, fed, eng, model_fn), fed
+
+
+@pytest.mark.parametrize(
+    "name,extra",
+    [("feddyn", ["algo.alpha=0.1"]), ("scaffold", []), ("fedavg", ["algo.weighting=uniform"])],
+)
+def test_client_drift_on_heterogeneous_quadratics(name, extra):
+    algo, fed = quad_algo(name, extra)
+    w_star = fed.minimizer()
+    clients = np.arange(3)
+    for t in range(200):
+        algo.round(t, clients)
+    err = float((algo.global_state()[:4] - w_star).norm() / w_star.norm())
+    if name == "fedavg":
+        assert err > 0.05, err  # the fixed point of many local steps is not the minimizer
+    else:
+        assert err < 1e-3, err
+
+
+def test_scaffold_partial_participation_control_variates():
+    algo, fed = quad_algo("scaffold")
+    sched = [[0, 1], [2], [1, 2], [0]]
+    for t, c in enumerate(sched * 3):
+        info = algo.round(t, np.array(c))
+    # option II keeps c = mean of the clients' c_i when every update is counted
+    assert torch.allclose(algo.c, algo.c_i.mean(0), atol=1e-5)
+    # the last round (client 0): y and c_i up, x and c down; 4 parameters of 4 bytes
+    assert info["bytes_up"] == info["bytes_down"] == 1 * 2 * 4 * 4
+
+
+@pytest.mark.parametrize("name", ["scaffold", "feddyn", "lg_fedavg", "fedspa"])
+def test_checkpoint_keeps_per_client_state(name):
+    algo, eng, fed = make_algo(name)
+    algo.round(0, np.array([0, 2]))
+    state = {k: v.clone() for k, v in algo.state_dict().items()}
+    other, _, _ = make_algo(name, fed=fed)
+    other.load_state_dict(state)
+    algo.round(1, np.array([1, 2]))
+    other.round(1, np.array([1, 2]))
+    for k in algo.state_keys:
+        assert torch.allclose(getattr(algo, k).float(), getattr(other, k).float(), atol=1e-6), k
+
+
+def test_lg_fedavg_shares_only_the_head():
+    algo, eng, fed = make_algo("lg_fedavg")
+    H = int(algo.head_entries.sum())
+    info = algo.round(0, np.array([0, 1]))
+    assert info["bytes_up"] == info["bytes_down"] == 2 * H * 4
+    # client 2 was not sampled: its body is the initial one, with the new global head
+    s2 = algo.personal_state(2)
+    init = eng.initial_state()
+    assert torch.equal(s2[~algo.head_entries], init[~algo.head_entries])
+    assert torch.equal(s2[algo.head_entries], algo.head)
+    # the sampled clients' bodies moved, and differ from each other
+    b0, b1 = algo.bodies[0][~algo.head_entries], algo.bodies[1][~algo.head_entries]
+    assert not torch.equal(b0, b1)
+
+
+def test_fedspa_masks_keep_their_density():
+    algo, eng, fed = make_algo("fedspa", ["rounds=4"])
+    before = algo.masks.clone()
+    counts = [int(algo.masks[0, e.start : e.stop].sum()) for e in algo.layers]
+    for t in range(3):
+        algo.round(t, np.array([0, 1]))
+    after = [int(algo.masks[0, e.start : e.stop].sum()) for e in algo.layers]
+    assert after == counts  # prune-and-grow keeps each layer's count
+    assert not torch.equal(before[0], algo.masks[0])  # the mask moved
+    assert torch.equal(before[2], algo.masks[2])  # a client never sampled keeps its own
+    P = eng.n_params
+    s = algo.personal_state(0)
+    assert (s[:P][~algo.masks[0]] == 0).all()
+    assert algo.model_size()["params_personal"] == pytest.approx(
+        float(algo.masks.sum(1).float().mean())
+    )
+
+
+# ------------------------------------------------------------------ real FMNIST
+# 20 clients pat-2 (2 classes each), MLP 784-64-10, 5 rounds at lr 0.05. Thresholds: the
+# global model over 10 classes (chance 0.1) and the personal one on a client's own 2
+# classes (chance 0.5).
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name,kind,threshold",
+    [
+        ("feddyn", "global", 0.45),
+        ("scaffold", "global", 0.45),
+        ("lg_fedavg", "personal", 0.85),
+        ("fedspa", "personal", 0.85),
+    ],
+)
+def test_learns_fmnist(tmp_path, name, kind, threshold):
+    summary, _ = run_small(tmp_path, [f"algo={name}", "optim.lr=0.05"], rounds=5)
+    assert summary["final"][kind]["L"]["avg"] > threshold
