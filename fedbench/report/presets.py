@@ -457,6 +457,201 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+# --------------------------------------------------------------------------- FedSLR
+# FedSLR (Huang et al. 2023), specs/paper-settings.md "FedSLR Tables 1-2": 100 clients, 10
+# per round, ResNet-18 GroupNorm, SGD lr 0.1 decay 0.998, E = 2, batch 20, weight decay 1e-3
+# for every method, 100 matched test samples per client. One FedSLR run fills two rows:
+# its GKR (global model) and its mixed model GKR + p_i (personal).
+FEDSLR_SETTINGS = {
+    "clients": 100,
+    "per_round": 10,
+    "local_epochs": 2,
+    "batch_size": 20,
+    "optim.name": "sgd",
+    "optim.lr": 0.1,
+    "optim.lr_decay": 0.998,
+    "optim.weight_decay": 0.001,
+    "model": "resnet18",
+    "model.norm": "group",
+    "split.test_mode": "matched",
+    "split.test_per_client": 100,
+}
+FEDSLR_DATA = (("CIFAR-10", "cifar10"), ("CIFAR-100", "cifar100"), ("TinyImagenet", "tinyimagenet"))
+FEDSLR_GLOBAL = (("SCAFFOLD", "scaffold"), ("FedDyn", "feddyn"), ("FedAvg", "fedavg"))
+FEDSLR_NOTES = (
+    "FedSLR: the global methods' cells (SCAFFOLD, FedDyn, FedAvg, FedSLR (GKR)) are their "
+    "global models, the others' their personalized models; FedSLR (GKR) and FedSLR (mixed) "
+    "are the GKR and GKR + p_i of the same runs; rounds and number of runs are not stated "
+    "(ours: 1000 rounds, the authors' code)",
+)
+
+
+def _fedslr_rows(table: int) -> tuple[Row, ...]:
+    lg = "LGFedAvg" if table == 1 else "LG-FedAvg"
+    if table == 1:
+        glob = [Row(label, algo, "global") for label, algo in FEDSLR_GLOBAL]
+        glob.append(Row("FedSLR (GKR)", "fedslr", "global"))
+        pers = [
+            ("Per-FedAvg", "perfedavg"),
+            (lg, "lg_fedavg"),
+            ("FedRep", "fedrep"),
+            ("Ditto", "ditto"),
+            ("APFL", "apfl"),
+            ("Local", "local"),
+            ("FedSpa", "fedspa"),
+            ("FedSLR (mixed)", "fedslr"),
+        ]
+    else:
+        glob = [
+            Row("FedAvg (*)", "fedavg", "global"),
+            Row("SCAFFOLD", "scaffold", "global"),
+            Row("FedSLR (GKR)", "fedslr", "global"),
+        ]
+        pers = [
+            ("APFL", "apfl"),
+            ("FedSpa", "fedspa"),
+            (lg, "lg_fedavg"),
+            ("FedRep", "fedrep"),
+            ("FedSLR (mixed)", "fedslr"),
+        ]
+    return (*glob, *(Row(label, algo, "personal") for label, algo in pers))
+
+
+# Table 1's method names -> Table 2's
+FEDSLR_T2_LABELS = {"FedAvg": ("FedAvg (*)",), "LGFedAvg": ("LG-FedAvg",)}
+
+
+class _InRow:
+    """A run shown in one named row (a FedSLR run is two rows: GKR and mixed)."""
+
+    def __init__(self, run: RunDir, label: str) -> None:
+        self._run = run
+        self.row_label = label
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._run, name)
+
+
+@dataclass(frozen=True)
+class FedSLRPreset(Preset):
+    """FedSLR's tables: a run belongs to every row of its algorithm; Table 2's cells show
+    accuracy, the deployed model's parameters (M) and the communication per round (MB,
+    uplink + downlink over the round's clients) from metrics.csv (`runner.size_columns`)."""
+
+    stat_metrics: tuple[tuple[str, str], ...] = ()  # stat -> metric template ({kind})
+    acc_csv: str = ""  # where the paper's accuracy of a table without one is printed
+
+    def metric(self, row: Row, stat: str) -> str:
+        templates = dict(self.stat_metrics)
+        if stat in templates:
+            return templates[stat].format(kind=row.kind)
+        return super().metric(row, stat)
+
+    def paper_numbers(self) -> dict[tuple[str, str, str], PaperNumber]:
+        if not self.stat_metrics:
+            return super().paper_numbers()
+        recs = {(r["method"], r["dataset"], r["metric"]): r for r in paper_csv(self.csv)}
+        if self.acc_csv:  # Table 2 prints no accuracy: Table 1's Dir(0.1) column of the method
+            for r in paper_csv(self.acc_csv):
+                if r["metric"] == "acc" and r["setting"] == "dir0.1":
+                    for label in [r["method"], *FEDSLR_T2_LABELS.get(r["method"], ())]:
+                        recs[(label, r["dataset"], "acc")] = r
+        out = {}
+        for row in self.rows:
+            for col in self.columns:
+                for stat in self.stats:
+                    rec = recs.get((row.label, col.dataset, stat))
+                    if rec is not None:
+                        out[(row.label, col.label, stat)] = PaperNumber(
+                            rec["value"], rec["std"] or None
+                        )
+        return out
+
+    def build(self, runs: list[RunDir], select: str | None = None, compact: bool = False):
+        expanded: list[Any] = []
+        for run in runs:
+            rows = [r for r in self.rows if same_value(run.get("algo"), r.algo)]
+            if len(rows) > 1:
+                expanded += [_InRow(run, r.label) for r in rows]
+            else:
+                expanded.append(run)
+        return super().build(expanded, select, compact)
+
+    def _row_of(self, run: RunDir) -> Row | None:
+        label = getattr(run, "row_label", None)
+        if label is not None:
+            return self._row((label,))
+        return super()._row_of(run)
+
+
+def _fedslr_presets() -> tuple[Preset, ...]:
+    t1_cols = tuple(
+        Column(
+            label=f"{name} {'IID' if split == 'iid' else 'Dir(0.1)'}",
+            dataset=name,
+            setting="iid" if split == "iid" else "dir0.1",
+            match={
+                "data": data,
+                "split": split,
+                **({"split.alpha": 0.1} if split == "dir" else {}),
+            },
+        )
+        for name, data in FEDSLR_DATA
+        for split in ("iid", "dir")
+    )
+    t2_cols = tuple(
+        Column(
+            label=f"{name} Dir(0.1)",
+            dataset=name,
+            setting="",
+            match={"data": data, "split": "dir", "split.alpha": 0.1},
+        )
+        for name, data in FEDSLR_DATA
+    )
+    return (
+        FedSLRPreset(
+            name="fedslr_table1",
+            title="FedSLR Table 1: top-1 accuracy, IID and Dir(0.1)",
+            csv="fedslr_table1.csv",
+            paper_metric="acc",
+            rows=_fedslr_rows(1),
+            columns=t1_cols,
+            settings=FEDSLR_SETTINGS,
+            notes=FEDSLR_NOTES,
+        ),
+        FedSLRPreset(
+            name="fedslr_table2",
+            title="FedSLR Table 2: accuracy, model size (# params, M) and communication "
+            "(MB per round)",
+            csv="fedslr_table2.csv",
+            paper_metric="comm_cost",
+            rows=_fedslr_rows(2),
+            columns=t2_cols,
+            stats=("acc", "params_M", "comm_cost"),
+            acc_csv="fedslr_table1.csv",
+            stat_metrics=(
+                ("acc", "{kind}.L.avg"),
+                ("params_M", "params_{kind}_M"),
+                ("comm_cost", "comm_MB"),
+            ),
+            settings=FEDSLR_SETTINGS,
+            notes=(
+                *FEDSLR_NOTES,
+                "Table 2: params_M = parameters of the deployed model (FedSLR (GKR): the GKR "
+                "factorized per layer, min(rank (m + n), m n); FedSLR (mixed): GKR + nonzeros "
+                "of p_i, mean over clients); comm_cost = uplink + downlink MB per round over "
+                "the round's clients, averaged over the run (FedSLR: GKR sent factorized); "
+                "the paper prints no accuracy in Table 2 (its acc beside ours is Table 1's "
+                "Dir(0.1) column) and does not state the split (ours: Dir 0.1, whose FedSLR "
+                "numbers equal its Tables 3-5 default rows)",
+            ),
+        ),
+    )
+
+
+PRESETS.update({p.name: p for p in _fedslr_presets()})
+
+
 def get(name: str) -> Preset:
     if name not in PRESETS:
         raise ReportError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
