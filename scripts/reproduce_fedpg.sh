@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Reproduce the FedPG appendix's Tables 1-3 (specs/paper-settings.md "FedPG appendix Tables
+# 1-3"): for every column and method, one Hydra multirun per learning rate of the paper's grid
+# {0.01, 0.05, 0.1} over the seeds; the best lr per method and column (highest mean over seeds
+# of the personalized model's (L + S + G) / 3 at the last evaluation) is listed in
+# $OUT/best_<table>.txt, and the report prints those sweeps in the paper's layout beside the
+# paper's numbers.
+#
+#   scripts/reproduce_fedpg.sh                        # every table
+#   scripts/reproduce_fedpg.sh table1_fmnist          # one column (a preset without "fedpg_")
+#   scripts/reproduce_fedpg.sh table3                 # every column of a table
+#   SEEDS=0 ROUNDS=100 LRS=0.05 METHODS="fedavg fedpg" scripts/reproduce_fedpg.sh table1_fmnist
+#   DRY_RUN=1 scripts/reproduce_fedpg.sh table2       # print the commands only
+#
+# Environment: SEEDS (comma list, default 0,1,2,3,4: the paper's 5 runs), LRS (space list,
+# default "0.01 0.05 0.1"), ROUNDS (default: the presets' 2000), METHODS (space list, default
+# the table's rows; "fedpg@0.3" is the row "FedPG gamma=0.3", i.e. algo=fedpg algo.gamma=0.3),
+# OUT (default multirun/fedpg), EXTRA (more overrides for every run, e.g. "device=cuda").
+# The script only sweeps: a method's FedPG settings (the authors' FedAMP, APFL, FedFomo) are
+# config (conf/paper_algo/fedpg/<algo>.yaml, chosen by the preset), so one cell of a table at
+# one lr is `fedbench +experiment=fedpg_<preset> algo=<method> optim.lr=<lr> seed=<s>`.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SEEDS="${SEEDS:-0,1,2,3,4}"
+LRS="${LRS:-0.01 0.05 0.1}"
+OUT="${OUT:-multirun/fedpg}"
+read -r -a EXTRA_ARGS <<< "${EXTRA:-}"
+
+T1_METHODS="local fedavg fedprox apfl pfedme ditto fedamp fedfomo fedrep fedrod splitgp fedmgda
+fedpg sfedpg fedpg@0.3 fedpg@0.6 fedpg@1.0"
+T3_METHODS="fedavg fedprox apfl pfedme ditto fedrep fedrod splitgp fedmgda fedpg"
+ORDER="table1_fmnist table1_cifar10 table1_cifar100 table2_cifar10_p10 table2_cifar10_p50
+table2_cifar10_p100 table3_fmnist_clean table3_fmnist_a1 table3_fmnist_a2"
+
+run() {
+  echo "+ $*"
+  [[ -n "${DRY_RUN:-}" ]] || (cd "$ROOT" && "$@")
+}
+
+presets=()
+for arg in "${@:-all}"; do
+  case "$arg" in
+    all) read -r -a presets <<< "$(echo $ORDER)" ;;
+    table1 | table2 | table3)
+      for p in $ORDER; do [[ $p == "$arg"_* ]] && presets+=("$p"); done ;;
+    *)
+      [[ " $(echo $ORDER) " == *" $arg "* ]] || {
+        echo "unknown table $arg; valid: all table1 table2 table3 $(echo $ORDER)" >&2
+        exit 2
+      }
+      presets+=("$arg") ;;
+  esac
+done
+
+for preset in "${presets[@]}"; do
+  default_methods=$T1_METHODS
+  [[ $preset == table3_* ]] && default_methods=$T3_METHODS
+  for method in ${METHODS:-$default_methods}; do
+    algo=${method%@*}
+    if [[ ! -f "$ROOT/conf/algo/$algo.yaml" ]]; then
+      echo "# skipping $method: conf/algo/$algo.yaml does not exist" >&2
+      continue
+    fi
+    gamma=()
+    [[ $method == *@* ]] && gamma=("algo.gamma=${method#*@}")
+    for lr in $LRS; do
+      args=(fedbench -m "+experiment=fedpg_$preset" "algo=$algo" "${gamma[@]}" "optim.lr=$lr"
+        "seed=$SEEDS")
+      [[ -n "${ROUNDS:-}" ]] && args+=("rounds=$ROUNDS")
+      args+=("hydra.sweep.dir=$OUT/$preset/$method/lr$lr" "${EXTRA_ARGS[@]}")
+      run "${args[@]}"
+    done
+  done
+done
+
+# the best lr per (column, method): its sweep directory, one a line
+pick() {
+  python - "$ROOT/$OUT" "$@" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+for preset in sys.argv[2:]:
+    col = out / preset
+    if not col.is_dir():
+        continue
+    for method in sorted(p for p in col.iterdir() if p.is_dir()):
+        scores = {}
+        for lr_dir in sorted(method.glob("lr*")):
+            vals = []
+            for s in lr_dir.rglob("summary.json"):
+                p = (json.loads(s.read_text()).get("final") or {}).get("personal") or {}
+                if p:
+                    vals.append(sum(p[k]["avg"] for k in ("L", "S", "G")) / 3)
+            if vals:
+                scores[lr_dir] = statistics.mean(vals)
+        if not scores:
+            continue
+        best = max(scores, key=scores.get)
+        print(best)
+        print(f"# {preset} {method.name}: best {best.name} "
+              + " ".join(f"{d.name}={v:.3f}" for d, v in scores.items()), file=sys.stderr)
+PY
+}
+
+tables=$(printf '%s\n' "${presets[@]}" | sed 's/_.*//' | sort -u)
+for t in $tables; do
+  cols=()
+  for p in "${presets[@]}"; do [[ $p == "$t"_* ]] && cols+=("$p"); done
+  if [[ -n "${DRY_RUN:-}" ]]; then
+    echo "+ fedbench-report <the best lr sweep of each method in ${cols[*]}> --preset fedpg_$t"
+    continue
+  fi
+  pick "${cols[@]}" > "$ROOT/$OUT/best_$t.txt"
+  mapfile -t best < "$ROOT/$OUT/best_$t.txt"
+  run fedbench-report "${best[@]}" --preset "fedpg_$t"
+done
