@@ -736,6 +736,16 @@ class FedPGPreset(Preset):
     def metric(self, row: Row, stat: str) -> str:
         return "global.all" if stat == "GM" else f"personal.{stat}.avg"
 
+    def paper_numbers(self) -> dict[tuple[str, str, str], PaperNumber]:
+        """The CSV's numbers; a method the paper prints without a GM (Local, FedAMP: "-",
+        left out of the CSV) shows "-" as the paper does."""
+        out = super().paper_numbers()
+        for row in self.rows:
+            for col in self.columns:
+                if (row.label, col.label, "L") in out:
+                    out.setdefault((row.label, col.label, "GM"), PaperNumber("-"))
+        return out
+
     def _row_of(self, run: RunDir) -> Row | None:
         for r in self.rows:
             if not same_value(run.get("algo"), r.algo):
