@@ -305,3 +305,86 @@ def test_headline_plgu_lf_on_cifar10(tmp_path):
     s = Run(cfg, tmp_path / "run", progress=False).run()
     assert s["data"] == "cifar10" and s["final"]["round"] == 1
     assert s["final"]["global"] is not None and s["final"]["personal"] is not None
+
+
+# ---------------------------------------------------------------------------- issue 14
+def make_bn(algo: str, extra=(), backend="auto"):
+    """`algo` on TinyFed with a BatchNorm model: body Linear(6, 8) -> BatchNorm1d -> ReLU,
+    head Linear(8, 3)."""
+    from fedbench.algorithms import ALGORITHMS
+    from fedbench.engine import Engine
+    from fedbench.models.base import FedModel
+
+    fed = TinyFed()
+    cfg = compose([f"algo={algo}", "batch_size=8", "optim.lr=0.1", *extra])
+
+    def model_fn():
+        body = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU())
+        return FedModel(body, 8, 3)
+
+    torch.manual_seed(0)
+    eng = Engine(fed, model_fn(), device="cpu", backend=backend)
+    return ALGORITHMS.get(algo)(cfg, fed, eng, model_fn), fed
+
+
+BN_CASES = [
+    ("fedavg", []),
+    ("fedsam", []),
+    ("local", []),
+    ("fedrep", ["algo.head_epochs=1"]),
+    ("plgu_lf", []),
+    ("plgu_grep", ["algo.head_epochs=1"]),
+    ("ditto", []),
+    ("ditto", ["algo.interleave=true"]),
+    ("pfedme", ["algo.local_rounds=3", "algo.inner_steps=2"]),
+    ("pfedhn", ["algo.inner_steps=4"]),
+    ("plgu_ghn", ["algo.inner_steps=4"]),
+]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name,extra", BN_CASES)
+def test_an_evaluation_never_changes_training_with_batchnorm(name, extra):
+    """Issue 14.1: an evaluation puts the module in eval mode; every training step after it
+    still runs in training mode (batch statistics, running statistics updated). Two runs,
+    one evaluated between rounds, end in exactly the same states, whose running statistics
+    moved from their initial (0, 1)."""
+    from fedbench.evaluation import evaluate
+
+    a, fed = make_bn(name, extra)
+    b, _ = make_bn(name, extra)
+    clients = np.arange(fed.num_clients)
+    for t in range(2):
+        a.round(t, clients)
+        b.round(t, clients)
+        evaluate(b, fed)
+    P = a.engine.n_params
+    for i in clients:
+        sa, sb = a.personal_state(int(i)), b.personal_state(int(i))
+        assert torch.equal(sa, sb), f"{name}: client {i} trained differently after evaluating"
+        mean, var = sa[P : P + 8], sa[P + 8 : P + 16]
+        assert mean.abs().sum() > 0 and (var != 1).any() and (var > 0).all()
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("backend", ["sequential", "vmap"])
+@pytest.mark.parametrize("opt", ["optim.momentum=0.9", "optim.name=adam"])
+def test_fedrep_kept_momentum_never_moves_the_frozen_part(backend, opt):
+    """Issue 14.4: with optim.persist_state=true (momentum 0.9 or Adam), the state a phase
+    leaves does not move the part the next phase freezes: exact equality, both backends."""
+    algo, engine, fed = make_algo(
+        "fedrep", ["optim.persist_state=true", opt, "algo.head_epochs=2", "algo.body_epochs=2"]
+    )
+    engine.backend = backend
+    clients = [0, 1, 2]
+    head = algo.head_entries
+    for t in range(3):  # kept state on both parts from earlier rounds
+        s0 = algo.states_of(clients)
+        h = algo.head_phase(s0, clients, t).states
+        b = algo.body_phase(h, clients, t).states
+        assert torch.equal(h[:, ~head], s0[:, ~head])  # head phase: body frozen
+        assert torch.equal(b[:, head], h[:, head])  # body phase: head frozen
+        assert (b[:, ~head] != h[:, ~head]).any() and (h[:, head] != s0[:, head]).any()
+        algo.round(t, np.array(clients))
+    kept = engine._persist["main"]
+    assert all(v.abs().sum() > 0 for k, v in kept.items() if k != "step")
