@@ -14,6 +14,9 @@
 # default multirun/diversifed), EXTRA (more overrides for every run, e.g.
 # "hydra/launcher=joblib_local hydra.launcher.n_jobs=8" or "device=cuda").
 # Methods whose conf/algo/<name>.yaml does not exist yet are skipped with a note.
+# The script only sweeps: a method's DiversiFed settings (pFedMe's eval_model=local, FedCAC's
+# CIFAR-100 tau/beta ...) are config (conf/paper_algo/diversifed*/<algo>.yaml, chosen by the
+# preset), so one cell of a table is `fedbench +experiment=diversifed_<preset> algo=<method>`.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -35,18 +38,6 @@ declare -A COLUMNS=(
 )
 ORDER="table1_fmnist table1_cifar10 table1_cifar100 table2_fmnist table2_cifar10
 table2_cifar100 table3_pathmnist table7_cifar10"
-
-# The paper's settings of one method in one preset, beyond the algorithm's YAML defaults
-# (the same as fedbench/report/presets.py's rows).
-method_overrides() {
-  local method=$1 preset=$2
-  case "$method" in
-    # the pFedMe code DiversiFed ran (PFLlib) scores its local model, E epochs of batches a visit
-    pfedme) echo "algo.eval_model=local algo.local_rounds=null" ;;
-    fedcac) [[ $preset == *cifar100 ]] && echo "algo.tau=0.4 algo.beta=170" || true ;;
-    *) true ;;
-  esac
-}
 
 run() {
   echo "+ $*"
@@ -78,7 +69,6 @@ for preset in "${presets[@]}"; do
     fi
     args=(fedbench -m "+experiment=diversifed_$preset" "algo=$method" "seed=$SEEDS")
     [[ -n "${COLUMNS[$preset]}" ]] && args+=(${COLUMNS[$preset]})
-    args+=($(method_overrides "$method" "$preset"))
     [[ -n "${ROUNDS:-}" ]] && args+=("rounds=$ROUNDS")
     args+=("hydra.sweep.dir=$OUT/$preset/$method" "${EXTRA_ARGS[@]}")
     run "${args[@]}"
