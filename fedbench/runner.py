@@ -77,6 +77,70 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"eval.every={cfg.eval.every!r} must be an integer >= 1")
 
 
+# Keys a resumed run may change: how long it runs, how it is evaluated and checkpointed, where
+# it computes. Everything else decides the run's numbers: a resume that changes it stops.
+# (`rounds` may grow: APPLE's L = l_frac * rounds and FedSpa's cosine schedule follow it.)
+RESUME_MAY_CHANGE = ("rounds", "eval", "checkpoint", "device", "engine", "resume")
+
+
+def _flat_items(node, prefix: str = "") -> dict:
+    """{dotted key: leaf value} of a plain nested dict (lists are leaves)."""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    out = {}
+    for k, v in node.items():
+        out.update(_flat_items(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def resume_differences(saved: dict, now: dict) -> list[str]:
+    """'key (checkpoint -> now)' for every key outside RESUME_MAY_CHANGE that differs."""
+    a, b = _flat_items(saved), _flat_items(now)
+    missing = object()
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if any(k == p or k.startswith(p + ".") for p in RESUME_MAY_CHANGE):
+            continue
+        va, vb = a.get(k, missing), b.get(k, missing)
+        if va != vb:
+            show = lambda v: "absent" if v is missing else repr(v)  # noqa: E731
+            out.append(f"{k} ({show(va)} -> {show(vb)})")
+    return out
+
+
+def check_resume(cfg: DictConfig, out: str | Path) -> None:
+    """With resume=true: raise ConfigError (one line, before any file is written) unless the
+    checkpoint in `out` was written by a run of this config, up to RESUME_MAY_CHANGE, and
+    `rounds` is at least the rounds it has done."""
+    out = Path(out)
+    path = out / CHECKPOINT
+    if not path.exists():
+        if (out / "summary.json").exists():
+            raise ConfigError(
+                f"resume=true: {out} holds a finished run without {CHECKPOINT} "
+                "(checkpoint.every=0); start a new run directory"
+            )
+        return
+    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    saved = state.get("config")
+    if saved is None:
+        log.warning("%s has no saved config (an older fedbench): resuming unchecked", path)
+        return
+    diff = resume_differences(saved, _plain(cfg))
+    if diff:
+        raise ConfigError(
+            f"resume=true: the config differs from {path}'s in {', '.join(diff)}; resume with "
+            f"the checkpoint's values or start a new run directory (only "
+            f"{', '.join(RESUME_MAY_CHANGE)} may change)"
+        )
+    done = int(state["progress"]["next_round"])
+    if int(cfg.rounds) < done:
+        raise ConfigError(
+            f"resume=true: rounds={cfg.rounds} but {path} has {done} rounds done; "
+            f"rounds must be >= {done}"
+        )
+
+
 def _plain(cfg_node) -> dict:
     return dict(OmegaConf.to_container(cfg_node, resolve=True)) if cfg_node is not None else {}
 
@@ -91,6 +155,8 @@ class Run:
         validate(cfg)
         algo_cls = ALGORITHMS.get(str(cfg.algo.name))
         check_params(cfg.algo, algo_cls.Params, str(cfg.algo.name))
+        if cfg.resume:
+            check_resume(cfg, self.out)
         self.device = resolve_device(str(cfg.device))
         seed = int(cfg.seed)
         dcfg = _plain(cfg.data)
@@ -224,7 +290,8 @@ class Run:
                 self._write_metrics()
                 bar.set_postfix_str(_postfix(summ))
             st["next_round"] = t + 1
-            if ckpt_every and (t + 1) % ckpt_every == 0 and t + 1 < rounds:
+            # the last round too: a finished run can be extended (rounds=<more> resume=true)
+            if ckpt_every and ((t + 1) % ckpt_every == 0 or t + 1 == rounds):
                 st["elapsed_s"] = time.perf_counter() - t0
                 self._checkpoint()
         wall = time.perf_counter() - t0
@@ -260,6 +327,7 @@ class Run:
             "sampler": self.sampler.bit_generator.state,
             "augment": self.fed.rng_state(),
             "version": fedbench.__version__,
+            "config": _plain(self.cfg),  # resume=true checks the new config against it
         }
         buf = io.BytesIO()
         torch.save(state, buf)
@@ -267,9 +335,7 @@ class Run:
 
     def _restore(self) -> None:
         path = self.out / CHECKPOINT
-        if not path.exists():
-            if (self.out / "summary.json").exists():
-                raise FedbenchError(f"resume=true: {self.out} already holds a finished run")
+        if not path.exists():  # check_resume refused a finished run without a checkpoint
             log.info("resume=true but no %s in %s: starting from round 0", CHECKPOINT, self.out)
             return
         state = torch.load(path, map_location=self.device, weights_only=False)

@@ -9,12 +9,19 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import SMALL_FMNIST, compose, fmnist_available, run_small
-from fedbench.runner import Run
+from fedbench.errors import ConfigError
+from fedbench.runner import RESUME_MAY_CHANGE, Run, resume_differences
+
+REPO = Path(__file__).resolve().parents[1]
+# This checkout's fedbench, whatever the environment's editable install points at.
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+CLI = [sys.executable, "-c", "from fedbench.cli import main; main()"]
 
 pytestmark = pytest.mark.skipif(not fmnist_available(), reason="FMNIST not installed")
 
@@ -63,18 +70,20 @@ def test_resume_after_crash_equals_uninterrupted(tmp_path, algo, extra, monkeypa
 def test_sigkill_then_resume(tmp_path):
     """The real thing: SIGKILL the CLI after its first checkpoint, rerun with resume=true."""
     args = [*SMALL_FMNIST, "rounds=16", "eval.every=4", "checkpoint.every=2"]
-    cli = [sys.executable, "-c", "from fedbench.cli import main; main()"]
+    cli = CLI
     ref = subprocess.run(
         [*cli, *args, f"hydra.run.dir={tmp_path / 'ref'}"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
+        env=ENV,
     )
     assert ref.returncode == 0, ref.stderr
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [*cli, *args, f"hydra.run.dir={run_dir}"],
         cwd=tmp_path,
+        env=ENV,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -93,8 +102,127 @@ def test_sigkill_then_resume(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
+        env=ENV,
     )
     assert again.returncode == 0, again.stderr
     a = json.loads((tmp_path / "ref" / "summary.json").read_text())
     b = json.loads((run_dir / "summary.json").read_text())
     assert results(a) == results(b)
+
+
+def snapshot(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_resume_differences_names_keys_outside_the_allowed_ones():
+    saved = {
+        "seed": 0,
+        "rounds": 5,
+        "algo": {"name": "fedavg"},
+        "optim": {"lr": 0.1},
+        "eval": {"every": 1},
+        "engine": {"backend": "auto"},
+        "device": "cpu",
+    }
+    now = {
+        "seed": 1,
+        "rounds": 9,
+        "algo": {"name": "fedprox", "mu": 0.01},
+        "optim": {"lr": 0.1},
+        "eval": {"every": 3},
+        "engine": {"backend": "vmap"},
+        "device": "cuda",
+    }
+    assert resume_differences(saved, now) == [
+        "algo.mu (absent -> 0.01)",
+        "algo.name ('fedavg' -> 'fedprox')",
+        "seed (0 -> 1)",
+    ]
+    assert set(RESUME_MAY_CHANGE) == {"rounds", "eval", "checkpoint", "device", "engine", "resume"}
+
+
+@pytest.mark.slow
+def test_refused_resume_exits_2_and_leaves_the_directory_as_it_was(tmp_path):
+    """CLI end to end: a finished run, then resumes with another algorithm, seed and lr, and
+    another split: each is one line naming the differing keys, exit 2, and every file of the
+    run directory (Hydra's .hydra/ and log included) is byte-identical afterwards."""
+    run_dir = tmp_path / "run"
+    args = [*SMALL_FMNIST, "rounds=2", "eval.every=1", "checkpoint.every=1"]
+    first = subprocess.run(
+        [*CLI, *args, f"hydra.run.dir={run_dir}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=ENV,
+    )
+    assert first.returncode == 0, first.stderr
+    before = snapshot(run_dir)
+    assert "checkpoint.pt" in before and "summary.json" in before and ".hydra/config.yaml" in before
+    changed = {
+        "algo": (
+            ["algo=fedprox", "optim.lr=0.2", "seed=3", "rounds=4", "eval.every=2"],
+            ["algo.name ('fedavg' -> 'fedprox')", "optim.lr (", "seed (0 -> 3)"],
+        ),
+        "split": (["split=dir", "device=cpu"], ["split.name ('pat' -> 'dir')"]),
+    }
+    for over, named in changed.values():
+        r = subprocess.run(
+            [*CLI, *args, *over, "resume=true", f"hydra.run.dir={run_dir}"],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env=ENV,
+        )
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and r.stdout == "", r.stderr
+        for key in named:
+            assert key in lines[0]
+        for allowed in ("rounds (", "eval.every", "device ("):
+            assert allowed not in lines[0]
+        assert snapshot(run_dir) == before
+
+
+def test_refused_resume_through_the_api_writes_nothing(tmp_path):
+    """Run(cfg, dir) (the multirun and library path) refuses before it loads data or writes."""
+    if not fmnist_available():
+        pytest.skip("FMNIST not installed")
+    run_small(tmp_path, ["checkpoint.every=1"], rounds=2)
+    before = snapshot(tmp_path)
+    cfg = compose(
+        [*SMALL_FMNIST, "rounds=2", "checkpoint.every=1", "model.hidden=[32]", "resume=true"]
+    )
+    with pytest.raises(ConfigError, match=r"model.hidden \(\[64\] -> \[32\]\)"):
+        Run(cfg, tmp_path, progress=False)
+    cfg = compose([*SMALL_FMNIST, "rounds=1", "checkpoint.every=1", "resume=true"])
+    with pytest.raises(ConfigError, match="rounds=1 but .* has 2 rounds done"):
+        Run(cfg, tmp_path, progress=False)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_finished_run_extends_without_redoing_rounds(tmp_path, monkeypatch):
+    """rounds=2 to the end, then rounds=4 resume=true: rounds 3 and 4 only, and the same
+    numbers as an uninterrupted 4-round run."""
+    over = ["algo=fedprox", "eval.every=1", "checkpoint.every=5", "participation=0.5"]
+    full, _ = run_small(tmp_path / "full", over, rounds=4)
+    run_small(tmp_path / "run", over, rounds=2)
+    ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert ckpt["progress"]["next_round"] == 2  # the last round is saved
+    assert ckpt["config"]["algo"]["name"] == "fedprox"
+
+    ext = Run(
+        compose([*SMALL_FMNIST, "rounds=4", *over, "resume=true"]), tmp_path / "run", progress=False
+    )
+    seen = []
+    real_round = ext.algo.round
+    monkeypatch.setattr(ext.algo, "round", lambda t, c: seen.append(t) or real_round(t, c))
+    assert results(ext.run()) == results(full)
+    assert seen == [2, 3]
+    m = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert m["rounds"] == 4 and m["final"]["round"] == 4
+    again = Run(
+        compose([*SMALL_FMNIST, "rounds=4", *over, "resume=true"]), tmp_path / "run", progress=False
+    )
+    monkeypatch.setattr(again.algo, "round", lambda t, c: pytest.fail("a round was redone"))
+    assert results(again.run()) == results(full)
