@@ -1,10 +1,16 @@
 """CIFAR-style ResNets: 3x3 stem conv, no stem max-pool, global average pool -> head.
 
-- resnet8: BasicBlock, 3 stages [1, 1, 1], widths 16-32-64 (DiversiFed's CIFAR-100 net).
+- resnet8: BasicBlock, 3 stages [1, 1, 1], widths 16-32-64 by default (84k parameters on
+  CIFAR-100). DiversiFed's CIFAR-100 net (Table VIII: 1.26M parameters) is PFLlib's resnet8:
+  widths 64-128-256 and the ImageNet stem (`stem: imagenet`, 1,258,404 parameters; with the
+  CIFAR stem 1,250,724). Its flops fit too: ~29.2M per forward pass of a 32x32 image, Table
+  VIII's 438.24G client flops / (500 samples x 10 epochs x 3 for forward + backward).
 - resnet18: BasicBlock [2, 2, 2, 2], widths 64-128-256-512 (PLGU, FedSLR, FedSAM).
 - resnet50: Bottleneck [3, 4, 6, 3], expansion 4 (PLGU's TinyImageNet net).
 `norm`: `group` (default; PLGU/FedSAM/FedSLR use GroupNorm), `batch`, or `none`: FedPG's
 normalizer-free ResNet, every conv weight-standardized (`WSConv2d`, with bias) and no norm.
+`stem`: `cifar` (default: one 3x3 conv, stride 1, no pooling) or `imagenet` (7x7 conv with
+stride 2, then a 3x3 max-pool with stride 2: torchvision's, and PFLlib's for every depth).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedbench.errors import ConfigError
 from fedbench.models.base import FedModel, check_choice, image_shape, make_conv, make_norm
 from fedbench.models.registry import MODELS
 
@@ -69,6 +76,9 @@ class Bottleneck(nn.Module):
         return F.relu(out + self.shortcut(x))
 
 
+STEMS = ("cifar", "imagenet")
+
+
 class ResNet(FedModel):
     def __init__(
         self,
@@ -80,14 +90,25 @@ class ResNet(FedModel):
         widths: Sequence[int],
         norm: str,
         gn_groups: int,
+        stem: str = "cifar",
     ) -> None:
         cin = image_shape(name, input_shape)[0]
         check_choice("model norm", norm, ("group", "batch", "none"))
+        check_choice("model stem", stem, STEMS)
+        if len(widths) != len(blocks) or any(int(w) < 1 for w in widths):
+            raise ConfigError(
+                f"model widths={list(widths)}: {name} needs {len(blocks)} positive widths"
+            )
+        big = stem == "imagenet"
         mods: OrderedDict[str, nn.Module] = OrderedDict(
-            conv1=make_conv(cin, widths[0], 3, 1, 1, norm),
+            conv1=make_conv(
+                cin, widths[0], 7 if big else 3, 2 if big else 1, 3 if big else 1, norm
+            ),
             norm1=make_norm(norm, widths[0], gn_groups),
             relu=nn.ReLU(),
         )
+        if big:
+            mods["maxpool"] = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
         cin = widths[0]
         for i, (n, width) in enumerate(zip(blocks, widths), 1):
             stage = []
@@ -103,10 +124,24 @@ class ResNet(FedModel):
 
 @MODELS.register("resnet8")
 def resnet8(
-    input_shape: tuple[int, ...], num_classes: int, *, norm: str = "group", gn_groups: int = 2
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    *,
+    norm: str = "group",
+    gn_groups: int = 2,
+    widths: Sequence[int] = (16, 32, 64),
+    stem: str = "cifar",
 ) -> ResNet:
     return ResNet(
-        "resnet8", input_shape, num_classes, BasicBlock, (1, 1, 1), (16, 32, 64), norm, gn_groups
+        "resnet8",
+        input_shape,
+        num_classes,
+        BasicBlock,
+        (1, 1, 1),
+        tuple(int(w) for w in widths),
+        norm,
+        gn_groups,
+        stem,
     )
 
 
