@@ -380,25 +380,36 @@ def test_paper_numbers_are_the_accuracies():
     assert ("FedAvg", "FMNIST Dir(1.0)", "avg") in numbers
 
 
+# The curated tables beside the repository (in a user's clone: absent).
+SHARED_TABLES = Path(__file__).resolve().parents[2] / "shared" / "papers" / "tables"
+
+
 @pytest.mark.quick
-def test_packaged_paper_tables_are_copies_of_shared():
-    if not presets.SHARED.is_dir():
-        pytest.skip("shared/papers/tables not beside the repository")
-    for path in sorted(presets.PACKAGED.glob("*.csv")):
-        assert path.read_bytes() == (presets.SHARED / path.name).read_bytes(), path.name
+def test_packaged_paper_tables_are_complete_copies_of_shared():
     needed = {p.csv for p in presets.PRESETS.values()}
     assert needed <= {p.name for p in presets.PACKAGED.glob("*.csv")}
+    if not SHARED_TABLES.is_dir():
+        pytest.skip("shared/papers/tables not beside the repository")
+    shared = sorted(SHARED_TABLES.glob("*.csv"))
+    assert {p.name for p in shared} == {p.name for p in presets.PACKAGED.glob("*.csv")}
+    for path in shared:
+        assert path.read_bytes() == (presets.PACKAGED / path.name).read_bytes(), path.name
 
 
 @pytest.mark.quick
-def test_paper_numbers_come_from_the_package_without_shared(monkeypatch, tmp_path):
-    monkeypatch.setattr(presets, "SHARED", tmp_path / "absent")
+def test_paper_numbers_come_from_the_shipped_copies_only(monkeypatch, tmp_path):
+    """The report reads fedbench/report/paper_tables/ and nothing outside the package."""
+    assert not hasattr(presets, "SHARED")
     presets.paper_csv.cache_clear()
     try:
         numbers = presets.get("plgu_table2").paper_numbers()
+        assert numbers[("FedRep", "CIFAR10 C=10", "avg")].value == "71.32"  # from the poster
+        monkeypatch.setattr(presets, "PACKAGED", tmp_path)
+        presets.paper_csv.cache_clear()
+        with pytest.raises(presets.ReportError, match="plgu_table2.csv not found in"):
+            presets.get("plgu_table2").paper_numbers()
     finally:
         presets.paper_csv.cache_clear()
-    assert numbers[("FedRep", "CIFAR10 C=10", "avg")].value == "71.32"  # from the poster
 
 
 @pytest.mark.quick
