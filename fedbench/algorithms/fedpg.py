@@ -122,43 +122,60 @@ def fairness_row(L: torch.Tensor, gh: torch.Tensor, mu: float) -> torch.Tensor |
     return gF * (mu / n)
 
 
-def min_norm_direction(Q: torch.Tensor) -> tuple[torch.Tensor, np.ndarray] | None:
-    """d = Q^T lambda with lambda the min-norm simplex weights (step 5); None if the QP fails."""
-    lam = min_norm_weights(gram(Q))
+def min_norm_direction(
+    Q: torch.Tensor, K: np.ndarray | None = None
+) -> tuple[torch.Tensor, np.ndarray] | None:
+    """d = Q^T lambda with lambda the min-norm simplex weights (step 5); None if the QP fails.
+    `K`: the Gram matrix Q Q^T if already computed (float64)."""
+    lam = min_norm_weights(gram(Q) if K is None else K)
     if lam is None:
         return None
-    d = (torch.from_numpy(lam).to(Q.device, torch.float64) @ Q.double()).to(Q.dtype)
-    return d, lam
+    return torch.from_numpy(lam).to(Q.device, Q.dtype) @ Q, lam
+
+
+def rescale_factor(
+    Qd: np.ndarray, n_old: float, target: float, tol: float = DESCENT_TOL
+) -> tuple[float, float]:
+    """Step 6 on the products Qd = Q d_old (float64): (c, sigma) with the rescaled d = c d_old.
+    d <- d_old target / ||d_old||; while max(-Q d) > tol: halve d if ||d|| > 2 ||d_old||,
+    else d = d_old and stop; sigma = ||d|| / ||d_old|| (= c)."""
+    if n_old <= 0 or not math.isfinite(n_old) or target <= 0:
+        return 1.0, 1.0
+    c = target / n_old
+    while float(np.max(-c * Qd)) > tol:
+        if c > 2:
+            c /= 2
+        else:
+            c = 1.0
+            break
+    return c, c
 
 
 def rescale(d: torch.Tensor, Q: torch.Tensor, target: float, tol: float = DESCENT_TOL):
-    """Step 6: (d, sigma) with d rescaled to norm `target` unless that breaks Q d >= -tol."""
-    n_old = float(d.norm())
-    if n_old <= 0 or not math.isfinite(n_old) or target <= 0:
-        return d, 1.0
-    d_old = d
-    d = d * (target / n_old)
-    Q64 = Q.double()
-    while float((-(Q64 @ d.double())).max()) > tol:
-        if float(d.norm()) > 2 * n_old:
-            d = d / 2
-        else:
-            d = d_old
-            break
-    return d, float(d.norm()) / n_old
+    """Step 6 on explicit rows: (d, sigma) with d rescaled to norm `target` unless that breaks
+    Q d >= -tol."""
+    Qd = (Q.double() @ d.double()).cpu().numpy()
+    c, sigma = rescale_factor(Qd, float(d.norm()), target, tol)
+    return d * c, sigma
 
 
-def personal_coeffs(d: torch.Tensor, G: torch.Tensor, online: int) -> torch.Tensor:
-    """r_i (float64 [online]) of the first `online` rows of G (appendix A.1.2)."""
-    D = G.double() @ d.double()  # D_j = d . gh_j
-    K = torch.from_numpy(gram(G)).to(D.device)
-    ok = D.abs() >= 1e-12
-    r = torch.ones(online, dtype=torch.float64, device=D.device)
+def personal_coeffs_from(D: np.ndarray, K: np.ndarray, online: int) -> np.ndarray:
+    """r_i of the first `online` rows from D_j = d.gh_j and K = G G^T (appendix A.1.2):
+    temp_j = (D_j - K_ij) / D_j (|D_j| >= 1e-12), temp_i = 1, r_i = min(1, 1 / max_j temp_j)."""
+    ok = np.abs(D) >= 1e-12
+    r = np.ones(online)
     for i in range(online):
-        temp = torch.where(ok, (D - K[i]) / torch.where(ok, D, 1.0), -torch.inf)
+        temp = np.full(D.shape, -np.inf)
+        temp[ok] = (D[ok] - K[i, ok]) / D[ok]
         temp[i] = 1.0
         r[i] = min(1.0, 1.0 / float(temp.max()))
     return r
+
+
+def personal_coeffs(d: torch.Tensor, G: torch.Tensor, online: int) -> torch.Tensor:
+    """r_i (float64 [online]) of the first `online` rows of G, from explicit rows."""
+    D = (G.double() @ d.double()).cpu().numpy()
+    return torch.from_numpy(personal_coeffs_from(D, gram(G), online))
 
 
 def apply_gamma(r: torch.Tensor, gamma: float | None, mode: str) -> torch.Tensor:
@@ -290,28 +307,35 @@ class FedPG(Algorithm):
                 self.counts[1] += 1
             self.hist[on] = g_on / g_on.norm(dim=1, keepdim=True)
             self.last[on] = t
-            # steps 4-6
+            # steps 4-6, everything past the Gram matrix K = Q Q^T in float64 on its m x m
             gF = fairness_row(L_on, gh, mu)
             G = torch.cat([gh, H])
             Q = G if gF is None else torch.cat([G, gF[None]])
+            nG = G.shape[0]
             mean_gh = gh.mean(0)
             sigma = 1.0
-            if Q.shape[0] == 1:
-                d = gh[0]
+            K = gram(Q)
+            found = None if Q.shape[0] == 1 else min_norm_direction(Q, K)
+            if Q.shape[0] == 1:  # one online client, no history: d = g_1
+                d, Dj = gh[0], K[0, :nG]
+            elif found is None:
+                self.counts[0] += 1
+                if not self._warned:
+                    self._warned = True
+                    log.warning(
+                        "fedpg: the min-norm QP failed or was degenerate at round %d; "
+                        "using the mean gradient (counted in qp_fallback_rounds)",
+                        t + 1,
+                    )
+                d = mean_gh
+                Dj = (G.double() @ d.double()).cpu().numpy()
             else:
-                found = min_norm_direction(Q)
-                if found is None:
-                    self.counts[0] += 1
-                    if not self._warned:
-                        self._warned = True
-                        log.warning(
-                            "fedpg: the min-norm QP failed or was degenerate at round %d; "
-                            "using the mean gradient (counted in qp_fallback_rounds)",
-                            t + 1,
-                        )
-                    d = mean_gh
-                else:
-                    d, sigma = rescale(found[0], Q, float(mean_gh.norm()))
+                d, lam = found
+                Qd = K @ lam  # Q d = Q Q^T lambda, exact in float64
+                c, sigma = rescale_factor(
+                    Qd, float(np.sqrt(max(lam @ Qd, 0.0))), float(mean_gh.norm())
+                )
+                d, Dj = d * c, c * Qd[:nG]  # D_j = d . gh_j
             self._sync()
             t2 = time.perf_counter()
             step = eta
@@ -320,7 +344,8 @@ class FedPG(Algorithm):
                 self.counts[2] += trials
             self.timing["line_search"] = time.perf_counter() - t2
             # personalized directions (A.1.2)
-            r = apply_gamma(personal_coeffs(d, G, m), self.hp.gamma, self.hp.gamma_mode)
+            r = torch.from_numpy(personal_coeffs_from(Dj, K[:nG, :nG], m)).to(self.device)
+            r = apply_gamma(r, self.hp.gamma, self.hp.gamma_mode)
             p = personal_directions(d, gh, r)
             self.timing["qp"] = t2 - t1
 
