@@ -269,3 +269,65 @@ def test_config_errors() -> None:
         build_model("cnn", (3, 8, 8), 10)
     with pytest.raises(ConfigError, match="hidden"):
         build_model("mlp", (60,), 10, hidden=[0])
+
+
+# --------------------------------------------------------------------------- paper presets
+# Input shape and classes of each dataset (no files needed), as fedbench.data.sources loads it.
+DATA_SHAPES = {
+    "fmnist": ((1, 28, 28), 10),
+    "cifar10": ((3, 32, 32), 10),
+    "cifar100": ((3, 32, 32), 100),
+    "pathmnist": ((3, 28, 28), 9),
+}
+# DiversiFed Table VIII: parameters of each dataset's model as printed (FMNIST MLP 50.89K,
+# CIFAR-10 CNN 62.01K, CIFAR-100 ResNet-8 1.26M); PathMNIST's CNN is not listed.
+DIVERSIFED_PARAMS = {"fmnist": (50.89, 1e3), "cifar10": (62.01, 1e3), "cifar100": (1.26, 1e6)}
+DIVERSIFED_PRESETS = [
+    "diversifed_table1_fmnist",
+    "diversifed_table1_cifar10",
+    "diversifed_table1_cifar100",
+    "diversifed_table2_fmnist",
+    "diversifed_table2_cifar10",
+    "diversifed_table2_cifar100",
+    "diversifed_table7_cifar10",
+]
+
+
+def preset_model(preset: str) -> tuple[nn.Module, str, tuple[int, ...]]:
+    """The model a `fedbench +experiment=<preset>` run builds (the runner's call)."""
+    from omegaconf import OmegaConf
+
+    from conftest import compose
+
+    cfg = compose([f"+experiment={preset}"])
+    shape, classes = DATA_SHAPES[str(cfg.data.name)]
+    mcfg = OmegaConf.to_container(cfg.model, resolve=True)
+    return build_model(mcfg.pop("name"), shape, classes, **mcfg), str(cfg.data.name), shape
+
+
+@pytest.mark.parametrize("preset", DIVERSIFED_PRESETS)
+def test_diversifed_preset_models_have_the_papers_parameter_counts(preset):
+    model, data, _ = preset_model(preset)
+    printed, unit = DIVERSIFED_PARAMS[data]
+    assert round(count_params(model) / unit, 2) == printed
+
+
+def test_diversifed_resnet8_is_pfllibs():
+    """1,258,404 parameters; its forward FLOPs fit Table VIII's client flops (438.24G for 500
+    samples x 10 epochs x 3, forward + backward = 29.2M a sample; norms/pooling not counted
+    here), where the CIFAR stem would need 153M."""
+    model, _, shape = preset_model("diversifed_table2_cifar100")
+    assert count_params(model) == 1_258_404
+    flops = model_flops(model, shape)
+    assert abs(flops / (438.24e9 / (500 * 10 * 3)) - 1) < 0.02
+    cifar_stem = build_model("resnet8", shape, 100, widths=[64, 128, 256])
+    assert count_params(cifar_stem) == 1_250_724
+    assert model_flops(cifar_stem, shape) > 5 * flops
+
+
+def test_resnet8_widths_and_stem_are_checked():
+    with pytest.raises(ConfigError, match="stem"):
+        build_model("resnet8", IMG, 10, stem="tiny")
+    with pytest.raises(ConfigError, match="3 positive widths"):
+        build_model("resnet8", IMG, 10, widths=[16, 32])
+    assert build_model("resnet8", IMG, 10, stem="imagenet")(torch.zeros(2, *IMG)).shape == (2, 10)
