@@ -44,6 +44,53 @@ def test_uniform_weighting():
     torch.testing.assert_close(algo.w, res.states.mean(0))
 
 
+# The engine family's uploads reach the server through `receive` (attackable algorithms).
+SERVER_STATE = {"fedrep": "phi", "plgu_grep": "phi", "pfedhn": "phi", "plgu_ghn": "phi"}
+ATTACKABLE = [
+    ("fedavg", []),
+    ("fedprox", []),
+    ("fedsam", []),
+    ("fedrep", ["algo.head_epochs=1"]),
+    ("plgu_lf", []),
+    ("plgu_grep", ["algo.head_epochs=1"]),
+    ("ditto", []),
+    ("ditto", ["algo.interleave=true"]),
+    ("pfedme", ["algo.local_rounds=2", "algo.inner_steps=2"]),
+    ("pfedhn", ["algo.inner_steps=3"]),
+    ("plgu_ghn", ["algo.inner_steps=3"]),
+]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name,extra", ATTACKABLE)
+def test_uploads_go_through_receive(name, extra):
+    """With every client malicious (A2: each model update scaled 100 times where the server
+    receives it), the server's state moves away from the honest run's."""
+    from fedbench.attack import Attack
+
+    honest, _, fed = make(name, extra)
+    attacked, _, _ = make(name, extra)
+    assert type(attacked).attackable
+    attacked.attack = Attack("a2", 1.0, fed.num_clients, 0)
+    key = SERVER_STATE.get(name)
+    before = getattr(attacked, key).clone() if key else attacked.global_state().clone()
+    for a in (honest, attacked):
+        a.round(0, [0, 1, 2])
+    h, b = (
+        (getattr(honest, key), getattr(attacked, key))
+        if key
+        else (honest.global_state(), attacked.global_state())
+    )
+    assert torch.isfinite(b).all() and not torch.allclose(h, b)
+    if name in ("fedavg", "fedprox", "fedsam", "ditto", "plgu_lf"):  # a weighted mean of models
+        torch.testing.assert_close(b - before, 100 * (h - before), rtol=1e-4, atol=1e-4)
+
+
+def test_local_uploads_nothing():
+    algo, _, _ = make("local")
+    assert not type(algo).attackable
+
+
 # Chance is 0.10. On pat-2, personal models (two classes each) pass 0.8 within a few rounds;
 # the global model must clearly beat chance.
 @pytest.mark.slow
