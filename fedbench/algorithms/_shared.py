@@ -3,6 +3,9 @@ leading underscore keeps it out of the registry scan).
 
 - `pairwise_sq_dists`: all squared distances between flattened models from one Gram matrix
   (DiversiFed, FedAMP); O(N^2 P) in one matmul instead of a double loop.
+- `mix_parameters`: a server's combination of clients' models with the paper's (possibly
+  signed) coefficients, on the parameters only; buffers (BatchNorm running statistics)
+  come from a given row, never from a signed combination (a negative variance otherwise).
 - `class_means`: per-class mean features over index sets (FedProto's prototypes).
 - `TrainSubset` / `make_engine` / `train_on` / `WithTrainer`: a second engine over a
   held-out split or another module (FedFomo's validation split, FedRoD's two-head model),
@@ -40,6 +43,23 @@ def pairwise_sq_dists(w: torch.Tensor, rel_tol: float = 1e-8, chunk: int = 1 << 
     return d2.fill_diagonal_(0)
 
 
+def mix_parameters(
+    coef: torch.Tensor, states: torch.Tensor, own: torch.Tensor, n_params: int
+) -> torch.Tensor:
+    """[C, D]: `coef` [C, N] @ the parameter part of `states` [N, D], with the buffers of
+    `own` [C, D] (each receiver's own running statistics).
+
+    The coefficients of DiversiFed's and FedAMP's server steps are signed (a far model
+    repels, a self-weight 1 - sum_j xi_ij can be below 0). Their papers mix parameters
+    (the distances, the gradient of L_d, the attention function are over parameters, whose
+    gradient with respect to a running statistic is 0); a running variance mixed with such
+    coefficients can go negative and the next forward is NaN. So buffers are not mixed: each
+    row keeps the buffers of `own`."""
+    out = own.clone()
+    out[:, :n_params] = coef.to(states.dtype) @ states[:, :n_params]
+    return out
+
+
 @torch.no_grad()
 def class_means(
     engine: Engine, state: torch.Tensor, idx: torch.Tensor, num_classes: int
@@ -74,16 +94,19 @@ class TrainSubset:
 
 
 def make_engine(algo, model: nn.Module, fed=None) -> Engine:
-    """An engine like the run's (seed, backend, device, batching) over `model` and `fed`."""
+    """An engine like the run's (seed, backend, device, batching, vmap chunking and memory
+    budget) over `model` and `fed`."""
     e = algo.engine
     return Engine(
         algo.fed if fed is None else fed,
         model,
         device=e.device,
         seed=e.seed,
-        backend=str(algo.cfg.engine.backend),
+        backend=e.backend,
         drop_last=e.drop_last,
         eval_batch_size=e.eval_batch_size,
+        chunk_clients=e.chunk_clients,
+        memory_budget=e.memory_budget,
     )
 
 

@@ -20,6 +20,10 @@ It is minimized by an incremental proximal method (Algorithm 1):
   proximal weight lambda / alpha. Round 0: CE only, from the common initialization.
 Defaults: lambda = 2, alpha = 1 (the paper), tau = 1.0; Adam 1e-3, E = 10, batch 100 are
 the presets' (`conf/experiment/diversifed_*`). The personalized model is w_i.
+Buffers: kept local. z_i's running statistics are client i's own (eq. 6 moves parameters
+only: L_d is a function of the parameters, its gradient in a running statistic is 0);
+mixing them with the signed coefficients of eq. 9 could make a running variance negative.
+Uploads: the trained w_i, through `Algorithm.receive` (ref = the state it trained from).
 
 RECONSTRUCTION (specs/diversifed.md; no public code exists):
 - a sampled client starts its local training from z_i (Algorithm 1 only names the
@@ -33,13 +37,25 @@ RECONSTRUCTION (specs/diversifed.md; no public code exists):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import numpy as np
 import torch
 
-from fedbench.algorithms._shared import pairwise_sq_dists
+from fedbench.algorithms._shared import mix_parameters, pairwise_sq_dists
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.params import positive
 from fedbench.engine import Proximal
 from fedbench.errors import ConfigError
+
+
+@dataclass
+class DiversiFedParams:
+    lam: float = positive()  # lambda, weight of L_d (the prox weight is lambda / alpha)
+    alpha: float = positive()  # server step size alpha_t
+    tau: float = positive()  # temperature of the distances
+    start: Literal["z", "own"]  # where a sampled client's local training starts
 
 
 def distance_betas(d2: torch.Tensor, tau: float) -> torch.Tensor:
@@ -78,29 +94,28 @@ def model_distance_loss(w: torch.Tensor, i: int, tau: float) -> torch.Tensor:
 @ALGORITHMS.register("diversifed")
 class DiversiFed(Algorithm):
     name = "diversifed"
+    Params = DiversiFedParams
+    attackable = True
     state_keys = ("w",)
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
         if self.N < 2:
             raise ConfigError(f"diversifed needs at least 2 clients; clients={self.N}")
-        for key in ("lam", "alpha", "tau"):
-            if float(self.hp[key]) <= 0:
-                raise ConfigError(f"algo.{key}={self.hp[key]} must be > 0")
-        if self.hp.start not in ("z", "own"):
-            raise ConfigError(f"algo.start={self.hp.start!r}; valid: z, own")
         self.w = engine.initial_state().repeat(self.N, 1)  # latest uploaded w_i, [N, D]
 
     def server_models(self, clients: torch.Tensor) -> torch.Tensor:
-        """z_i [C, D] for the given clients (eq. 9), from all N stored models. Buffers (if
-        any) are combined with the same coefficients."""
-        a = mixing_matrix(self.w[:, : self.engine.n_params], self.hp.alpha, self.hp.tau)
-        return a[clients].to(self.w.dtype) @ self.w
+        """z_i [C, D] for the given clients (eq. 9), from all N stored models: parameters
+        combined with the coefficients of eq. 9, buffers the client's own (see Buffers)."""
+        P = self.engine.n_params
+        a = mixing_matrix(self.w[:, :P], self.hp.alpha, self.hp.tau)
+        return mix_parameters(a[clients], self.w, self.w[clients], P)
 
     def round(self, t: int, clients: np.ndarray) -> dict:
         idx = torch.as_tensor(clients, device=self.device)
         if t == 0:
-            res = self.local_train(self.w[idx], clients, t)
+            start = self.w[idx]
+            res = self.local_train(start, clients, t)
             down = 0
         else:
             z = self.server_models(idx)
@@ -108,7 +123,7 @@ class DiversiFed(Algorithm):
             start = z if self.hp.start == "z" else self.w[idx]
             res = self.local_train(start, clients, t, terms=[prox])
             down = None
-        self.w[idx] = res.states
+        self.w[idx] = self.receive(res.states, clients, ref=start)
         return {"train_loss": res.loss.mean(), **self.comm(clients, down=down)}
 
     def personal_states(self) -> torch.Tensor:

@@ -16,6 +16,13 @@ squared, and with no gradient at all, so its FedAMP is local training. Not copie
 here is the paper's. `detach_prox: true` reproduces the detached variant (pure local
 training), which is what the FedPG authors' Table 1 row shows (specs/fedpg.md).
 
+Buffers: kept local. u_i is a combination of parameters (the paper's eq. 5 and PFLlib mix
+`parameters()`), and the client trains its own w_i, running statistics included; u_i only
+enters the proximal term. The self-weight xi_ii can be negative (alpha_k / sigma = 1 and
+close models give xi_ij ~ 1 each), so mixing running variances with xi would make them
+negative.
+Uploads: the trained w_i, through `Algorithm.receive` (ref = the w_i it trained from).
+
 RECONSTRUCTION: with partial participation the server combines the latest stored model of
 every client (PFLlib uses the models uploaded in the previous round, the same set under full
 participation); all distances come from one Gram matrix.
@@ -23,13 +30,23 @@ participation); all distances come from one Gram matrix.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from fedbench.algorithms._shared import pairwise_sq_dists
+from fedbench.algorithms._shared import mix_parameters, pairwise_sq_dists
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.params import nonneg, positive
 from fedbench.engine import Proximal
-from fedbench.errors import ConfigError
+
+
+@dataclass
+class FedAMPParams:
+    alpha_k: float = positive()  # server step alpha_k (the prox weight is lambda / alpha_k)
+    lam: float = nonneg()  # lambda
+    sigma: float = positive()  # scale of the attention function A(x) = 1 - exp(-x / sigma)
+    detach_prox: bool  # true: PFLlib's gradient-free prox term (pure local training)
 
 
 def attention_weights(w: torch.Tensor, alpha_k: float, sigma: float) -> torch.Tensor:
@@ -44,19 +61,20 @@ def attention_weights(w: torch.Tensor, alpha_k: float, sigma: float) -> torch.Te
 @ALGORITHMS.register("fedamp")
 class FedAMP(Algorithm):
     name = "fedamp"
+    Params = FedAMPParams
+    attackable = True
     state_keys = ("w",)
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
-        for key in ("alpha_k", "sigma"):
-            if float(self.hp[key]) <= 0:
-                raise ConfigError(f"algo.{key}={self.hp[key]} must be > 0")
         self.w = engine.initial_state().repeat(self.N, 1)
 
     def messages(self, clients: torch.Tensor) -> torch.Tensor:
-        """u_i [C, D] for the given clients, from all N stored models."""
-        xi = attention_weights(self.w[:, : self.engine.n_params], self.hp.alpha_k, self.hp.sigma)
-        return xi[clients].to(self.w.dtype) @ self.w
+        """u_i [C, D] for the given clients, from all N stored models: parameters mixed by xi,
+        buffers the client's own (see Buffers)."""
+        P = self.engine.n_params
+        xi = attention_weights(self.w[:, :P], self.hp.alpha_k, self.hp.sigma)
+        return mix_parameters(xi[clients], self.w, self.w[clients], P)
 
     def terms(self, u: torch.Tensor) -> list:
         if self.hp.detach_prox:
@@ -66,8 +84,9 @@ class FedAMP(Algorithm):
     def round(self, t: int, clients: np.ndarray) -> dict:
         idx = torch.as_tensor(clients, device=self.device)
         u = self.messages(idx)
-        res = self.local_train(self.w[idx], clients, t, terms=self.terms(u))
-        self.w[idx] = res.states
+        start = self.w[idx]
+        res = self.local_train(start, clients, t, terms=self.terms(u))
+        self.w[idx] = self.receive(res.states, clients, ref=start)
         return {"train_loss": res.loss.mean(), **self.comm(clients)}
 
     def personal_states(self) -> torch.Tensor:
