@@ -17,6 +17,10 @@ The personalized model is theta_i after step 5 (what the client trains from next
 PFLlib scores it). The model right after step 1 is reported beside it as model kind
 `trained` (`trained.L.avg`): the authors' Fling config tests both places
 (`test_place: after_aggregation, before_aggregation`).
+Buffers: kept local in the personalized model (step 5 mixes parameters; theta_i keeps the
+running statistics of its own training); the global model averages them (weights >= 0).
+Uploads: the trained theta_i, through `Algorithm.receive` (ref = theta_i^before, which the
+server sent); the server computes the masks of steps 2-3 from what it received.
 Defaults tau = 0.5, beta = 100 (the authors' CIFAR-10 config; CIFAR-100: 0.4, 170).
 
 RECONSTRUCTION: with partial participation, steps 3-5 run over the round's sampled clients
@@ -26,12 +30,20 @@ is its own.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.params import hp
 from fedbench.engine import ModelSpec
-from fedbench.errors import ConfigError
+
+
+@dataclass
+class FedCACParams:
+    tau: float = hp(gt=0, le=1)  # fraction of each tensor marked critical
+    beta: float = hp(ge=1)  # rounds until the collaboration threshold reaches the max
 
 
 def critical_masks(
@@ -77,16 +89,14 @@ def collaborators(ov: torch.Tensor, t: int, beta: float) -> torch.Tensor:
 @ALGORITHMS.register("fedcac")
 class FedCAC(Algorithm):
     name = "fedcac"
+    Params = FedCACParams
+    attackable = True
     has_global = True
     state_keys = ("theta", "w", "trained")
     extra_kinds = ("trained",)
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
-        if not 0 < float(self.hp.tau) <= 1:
-            raise ConfigError(f"algo.tau={self.hp.tau} must be in (0, 1]")
-        if float(self.hp.beta) < 1:
-            raise ConfigError(f"algo.beta={self.hp.beta} must be >= 1")
         self.w = engine.initial_state()
         self.theta = self.w.repeat(self.N, 1)
         self.trained = self.theta.clone()  # each client's model after its last local training
@@ -96,8 +106,8 @@ class FedCAC(Algorithm):
         P = self.engine.n_params
         before = self.theta[idx]
         res = self.local_train(before, clients, t)
-        after = res.states
-        self.trained[idx] = after
+        self.trained[idx] = res.states  # the client's own model after training
+        after = self.receive(res.states, clients, ref=before)  # what the server gets
         masks = critical_masks(before[:, :P], after[:, :P], self.engine.spec, self.hp.tau)
         collab = collaborators(overlap(masks), t, float(self.hp.beta)).to(after.dtype)
         customized = (collab / collab.sum(1, keepdim=True)) @ after

@@ -18,6 +18,11 @@ model is theta_i.
 Defaults: M = 5, val_frac = 0.2 (PFLlib, which the DiversiFed paper ran); the FedPG authors
 send every online model (`m: null`).
 
+Buffers: averaged (weights >= 0): the start model sum_n w_n theta_n is over whole states,
+running statistics included, with the clipped, normalized weights of eq. 6.
+Uploads: the trained theta_i, through `Algorithm.receive` (ref = the start model it
+trained from).
+
 Not copied from PFLlib: its "own model" in eq. 5 is the model the client started its
 previous round from (it clones the mixed model before training), not its trained theta_i.
 RECONSTRUCTION: "online" = the clients that uploaded in the previous round (PFLlib); the
@@ -27,27 +32,33 @@ broken by a seeded random order; the validation split is a seeded random 20% per
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from fedbench.algorithms._shared import TrainSubset, WithTrainer, make_engine, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
-from fedbench.errors import ConfigError
+from fedbench.algorithms.params import hp
+
+
+@dataclass
+class FedFomoParams:
+    m: int | None = hp(ge=1)  # models sent to each client (null: every online model)
+    val_frac: float = hp(gt=0, lt=1)  # fraction of each client's data held out
 
 
 @ALGORITHMS.register("fedfomo")
 class FedFomo(WithTrainer, Algorithm):
     name = "fedfomo"
+    Params = FedFomoParams
+    attackable = True
     state_keys = ("theta", "P", "online")
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
         frac = float(self.hp.val_frac)
-        if not 0 < frac < 1:
-            raise ConfigError(f"algo.val_frac={frac} must be in (0, 1)")
-        if self.hp.m is not None and int(self.hp.m) < 1:
-            raise ConfigError(f"algo.m={self.hp.m} must be >= 1 or null (every online model)")
         rng = np.random.default_rng([int(cfg.seed), 31])
         self.val_idx, train_idx = [], []
         for pool in fed.train_idx:
@@ -100,7 +111,7 @@ class FedFomo(WithTrainer, Algorithm):
         cands = [self.candidates(int(i), t) for i in clients]
         start = torch.stack([self.start_model(int(i), c) for i, c in zip(clients, cands)])
         res = train_on(self, self.trainer, start, clients, t)
-        self.theta[idx] = res.states
+        self.theta[idx] = self.receive(res.states, clients, ref=start)
         self.online = idx
         down = self.engine.n_state * sum(len(c) for c in cands)
         return {"train_loss": res.loss.mean(), **self.comm(clients, down=down)}

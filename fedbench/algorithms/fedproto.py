@@ -17,11 +17,17 @@ The client's own classifier head is reported beside it as model kind `head`
 (`head.L.avg` in metrics.csv), from the same run.
 Default lambda = 1 (PFLlib, which the DiversiFed paper ran).
 
+Buffers: kept local (no parameter or statistic leaves the client).
+Uploads: the local prototypes, through `Algorithm.receive` (kind "other"); the class counts
+beside them pass as sent, like the sample counts every FedAvg-style server weighs by.
+
 RECONSTRUCTION: local prototypes are computed over the client's training data after local
 training, in eval mode (PFLlib averages the features seen during the last epoch).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,9 +35,14 @@ import torch.nn.functional as F
 
 from fedbench.algorithms._shared import class_means
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.params import Weighting, nonneg
 from fedbench.errors import ConfigError
 
-WEIGHTING = ("uniform", "samples")
+
+@dataclass
+class FedProtoParams:
+    lam: float = nonneg()  # lambda, weight of the prototype regularizer
+    weighting: Weighting  # per-class server mean: uniform over holders | samples
 
 
 def aggregate_prototypes(
@@ -56,15 +67,13 @@ def nearest_prototype(features: torch.Tensor, protos: torch.Tensor, has: torch.T
 @ALGORITHMS.register("fedproto")
 class FedProto(Algorithm):
     name = "fedproto"
+    Params = FedProtoParams
+    attackable = True
     state_keys = ("theta", "protos", "has_proto")
     extra_kinds = ("head",)
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
-        if self.hp.weighting not in WEIGHTING:
-            raise ConfigError(
-                f"algo.weighting={self.hp.weighting!r}; valid: {', '.join(WEIGHTING)}"
-            )
         if not hasattr(engine.model, "features"):
             raise ConfigError("fedproto needs a model with a body/head split (models.FedModel)")
         self.K = fed.num_classes
@@ -87,7 +96,7 @@ class FedProto(Algorithm):
             class_means(self.engine, s, self.fed.train_idx[int(i)], self.K)
             for s, i in zip(res.states, clients)
         ]
-        local = torch.stack([m for m, _ in means])
+        local = self.receive(torch.stack([m for m, _ in means]), clients, kind="other")
         counts = torch.stack([n for _, n in means])
         self.protos, self.has_proto = aggregate_prototypes(local, counts, self.hp.weighting)
         per_client = self.K * self.protos.shape[1]

@@ -12,6 +12,10 @@ samples, `weighting`). The personalized model of every client is one SGD step of
 alpha from the new w on one of its training batches. Defaults alpha = 0.01, beta = 0.001
 (FedSLR's appendix; specs/fedslr.md).
 
+Buffers: averaged (weights >= 0): the server's sample-weighted mean of the clients' states,
+running statistics included; the personalization step's forward updates them (train mode).
+Uploads: the meta-trained theta, through `Algorithm.receive` (ref = the global w).
+
 Not copied from the pFedMe repository's Per-FedAvg (which the DiversiFed paper ran): its
 evaluation-time step uses the client's test batches; here it uses a training batch.
 RECONSTRUCTION: D and D' are consecutive batches of the client's E-epoch stream (PFLlib
@@ -20,12 +24,23 @@ halves one double-size batch); the personalization batch comes from its own seed
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from fedbench.algorithms._steps import ClientOptim, grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.params import Weighting, nonneg, positive
 from fedbench.engine.optim import step_
+
+
+@dataclass
+class PerFedAvgParams:
+    alpha: float = nonneg()  # inner (adaptation) step size
+    beta: float = positive()  # outer (meta) step size, the run optimizer's lr
+    weighting: Weighting  # server average: samples | uniform
+
 
 PERSONAL_SALT = 1  # the personalization step's batch stream, apart from training's
 
@@ -33,6 +48,8 @@ PERSONAL_SALT = 1  # the personalization step's batch stream, apart from trainin
 @ALGORITHMS.register("perfedavg")
 class PerFedAvg(Algorithm):
     name = "perfedavg"
+    Params = PerFedAvgParams
+    attackable = True
     has_global = True
     state_keys = ("w", "theta", "opt")
 
@@ -45,20 +62,20 @@ class PerFedAvg(Algorithm):
     def meta_train(self, i: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Client i's first-order MAML steps from w; (its new state, mean outer loss)."""
         eng, P = self.engine, self.engine.n_params
-        eng.model.train()
         theta = self.w.clone()
         ost = self.opt.state("outer", i, theta[:P])
         alpha, beta = float(self.hp.alpha), float(self.hp.beta) * self.optim.lr_decay**t
         stream = eng.batches(i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t)
         losses = []
         for (x1, y1), (x2, y2) in zip(stream, stream):  # consecutive pairs (D, D')
-            grad_at(eng, theta, x1, y1)
+            _, g = grad_at(eng, theta, x1, y1)
             inner = theta.clone()
-            inner[:P] -= alpha * eng.grad  # theta'
-            losses.append(grad_at(eng, inner, x2, y2))
+            inner[:P] -= alpha * g  # theta'
+            loss, g = grad_at(eng, inner, x2, y2)
+            losses.append(loss)
             theta[P:] = inner[P:]  # buffers as the two forwards left them
             with torch.no_grad():
-                step_(self.optim, theta[:P], eng.grad, ost, beta)
+                step_(self.optim, theta[:P], g, ost, beta)
         self.opt.keep("outer", i, ost)
         loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
         return theta, loss
@@ -67,16 +84,16 @@ class PerFedAvg(Algorithm):
         """[N, D]: one SGD step of size alpha from w on one training batch per client."""
         eng, P = self.engine, self.engine.n_params
         out = self.w.repeat(self.N, 1)
-        eng.model.train()
         for i in range(self.N):
             for x, y in eng.batches(i, self.cfg.batch_size, steps=1, round=t, salt=PERSONAL_SALT):
-                grad_at(eng, out[i], x, y)
-                out[i, :P] -= float(self.hp.alpha) * eng.grad
+                _, g = grad_at(eng, out[i], x, y)  # updates out[i]'s running statistics
+                out[i, :P] -= float(self.hp.alpha) * g
         return out
 
     def round(self, t: int, clients: np.ndarray) -> dict:
         states, losses = zip(*(self.meta_train(int(i), t) for i in clients))
-        self.w = self.weights(clients, self.hp.weighting) @ torch.stack(states)
+        up = self.receive(torch.stack(states), clients, ref=self.w)
+        self.w = self.weights(clients, self.hp.weighting) @ up
         self.theta = self.personalize(t)
         return {"train_loss": torch.stack(losses).mean(), **self.comm(clients)}
 
