@@ -8,8 +8,17 @@ h_p (client's own). Per batch, with z = body(x):
 - the personal head minimizes CE(h_g(z).detach() + h_p(z.detach()), y).
 The two losses touch disjoint parameters, so one backward of their sum and one optimizer
 step equal PFLlib's two optimizers (same optimizer and lr). Server: FedAvg (weighted by
-samples) of body + generic head. Prediction (the personalized model): h_g(z) + h_p(z); the
-global model is body + generic head.
+samples) of body + generic head. Prediction: h_g(z) + h_p(z); the global model is body +
+generic head. Which model is client i's personalized one (`eval_model`):
+- `trained` (default; the FedRoD paper, its personalized evaluation): the client's body,
+  generic and personal heads after its local training;
+- `aggregated` (PFLlib, whose FedRoD the DiversiFed paper ran: it evaluates right after
+  sending the global model): the aggregated body and generic head with the client's
+  personal head. The DiversiFed presets use it.
+Buffers: averaged (weights >= 0): FedAvg's sample weights over body, generic head and their
+running statistics; `aggregated` scores the averaged statistics, `trained` the client's.
+Uploads: body + generic head (+ buffers), through `Algorithm.receive` (ref = the global
+part the client trained from); the personal head stays on the client.
 RECONSTRUCTION: the personal head starts as a copy of the generic head on every client
 (PFLlib, which the DiversiFed paper ran; the paper does not say).
 
@@ -20,7 +29,9 @@ with the run's settings; its state rows are [body | generic head | personal head
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 import numpy as np
 import torch
@@ -30,6 +41,11 @@ from torch import nn
 from fedbench.algorithms._shared import WithTrainer, make_engine, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.errors import ConfigError
+
+
+@dataclass
+class FedRoDParams:
+    eval_model: Literal["trained", "aggregated"]  # the personalized model (see the docstring)
 
 
 class TwoHeadModel(nn.Module):
@@ -58,6 +74,8 @@ def rod_loss(model: TwoHeadModel, x, y, c, log_prior: torch.Tensor) -> torch.Ten
 @ALGORITHMS.register("fedrod")
 class FedRoD(WithTrainer, Algorithm):
     name = "fedrod"
+    Params = FedRoDParams
+    attackable = True
     has_global = True
     state_keys = ("w", "theta")
 
@@ -86,17 +104,25 @@ class FedRoD(WithTrainer, Algorithm):
         loss = partial(rod_loss, log_prior=self.log_prior[idx])
         res = train_on(self, self.trainer, start, clients, t, objective=loss)
         self.theta[idx] = res.states
-        avg = self.weights(clients) @ res.states
-        self.w = torch.where(self.shared, avg, self.w)
+        up = self.receive(res.states[:, self.shared], clients, ref=start[:, self.shared])
+        self.w[self.shared] = self.weights(clients) @ up
         n = int(self.shared.sum()) * len(clients)
         return {"train_loss": res.loss.mean(), **self.comm(clients, up=n, down=n)}
 
     def personal_states(self) -> torch.Tensor:
         """[N, D'] in the two-head layout (`self.trainer.spec`; `personal_model` builds it)."""
-        return self.theta
+        if self.hp.eval_model == "trained":
+            return self.theta
+        return torch.where(self.shared, self.w, self.theta)
+
+    def personal_state(self, i: int) -> torch.Tensor:
+        """[D'] client i's personalized model (`eval_model`), two-head layout."""
+        if self.hp.eval_model == "trained":
+            return self.theta[i]
+        return torch.where(self.shared, self.w, self.theta[i])
 
     def personal_correct(self, i: int, idx: torch.Tensor) -> torch.Tensor:
-        return self.trainer.correct(self.theta[i], idx)
+        return self.trainer.correct(self.personal_state(i), idx)
 
     def global_state(self) -> torch.Tensor:
         """Body + generic head in the run model's layout (the personal head dropped)."""
@@ -106,4 +132,4 @@ class FedRoD(WithTrainer, Algorithm):
         return self.trainer.correct(torch.where(self.shared, self.w, 0.0), idx)
 
     def personal_model(self, i: int) -> nn.Module:
-        return self.trainer.to_module(self.theta[i], TwoHeadModel(self.model_fn()))
+        return self.trainer.to_module(self.personal_state(i), TwoHeadModel(self.model_fn()))
