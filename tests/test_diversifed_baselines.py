@@ -103,11 +103,13 @@ def test_apple_schedule():
 @pytest.mark.quick
 def test_apple_step_is_the_chain_rule_and_the_full_inner_product():
     """One batch (client 1's 20 samples, batch 64): the core and p updates equal plain SGD on
-    autograd's gradients of CE(sum_j p_j c_j) + (lambda mu / 2) ||p - p0||^2."""
+    autograd's gradients of CE(sum_j p_j c_j) + lambda mu ||p - p0||^2, the authors'
+    `reg_loss` (no 1/2), with p away from p0 so that the pull acts."""
     algo, eng, fed = make(
         "apple", ["batch_size=64", "algo.eta_p=0.05", "algo.mu=0.1", "rounds=10", "algo.l_frac=0.5"]
     )
     spread(algo.cores)
+    algo.p[1] = torch.tensor([0.6, 0.1, 0.3])
     cores0, p0 = algo.cores.clone(), algo.p.clone()
     algo.round(0, [1])
     idx, lens = eng.schedule(1, 64, epochs=1, round=0)
@@ -115,8 +117,14 @@ def test_apple_step_is_the_chain_rule_and_the_full_inner_product():
     C = cores0.clone().requires_grad_(True)
     p = p0[1].clone().requires_grad_(True)
     loss = F.cross_entropy(eng.functional_logits((p @ C)[: eng.n_params], x), y)
-    loss = loss + 0.5 * 1.0 * 0.1 * ((p - 1 / 3) ** 2).sum()  # lambda(0) = 1
+    loss = loss + 1.0 * 0.1 * ((p - 1 / 3) ** 2).sum()  # lambda(0) = 1
     gC, gp = torch.autograd.grad(loss, (C, p))
+    # the pull by hand: d/dp of lambda mu ||p - p0||^2 is 2 lambda mu (p - p0)
+    pull = 2 * 0.1 * (p0[1] - 1 / 3)
+    gp_ce = torch.autograd.grad(
+        F.cross_entropy(eng.functional_logits((p @ C)[: eng.n_params], x), y), p
+    )[0]
+    torch.testing.assert_close(gp, gp_ce + pull)
     torch.testing.assert_close(algo.cores[1], cores0[1] - 0.1 * gC[1])
     torch.testing.assert_close(algo.p[1], p0[1] - 0.05 * gp)
     torch.testing.assert_close(algo.cores[[0, 2]], cores0[[0, 2]])
@@ -206,6 +214,112 @@ def test_fedrod_round_averages_the_generic_part_only():
     torch.testing.assert_close(algo.w[shared], (n[:, None] * th[:, shared]).sum(0))
     assert (th[0, ~shared] - th[1, ~shared]).abs().max() > 1e-4  # own personal heads
     assert algo.global_state().numel() == algo.engine.n_state
+
+
+@pytest.mark.quick
+def test_fedrod_eval_model_trained_or_aggregated():
+    """`trained` (the FedRoD paper): client i's model after its local training; `aggregated`
+    (PFLlib): the aggregated body and generic head with client i's personal head. Evaluation
+    scores the same rows."""
+    for mode in ("trained", "aggregated"):
+        algo, _, fed = make("fedrod", [f"algo.eval_model={mode}"])
+        algo.round(0, [0, 1, 2])
+        algo.round(1, [0, 2])  # client 1's trained model now differs from the aggregate
+        scores = evaluate(algo, fed)
+        for i in range(3):
+            expect = (
+                algo.theta[i]
+                if mode == "trained"
+                else torch.where(algo.shared, algo.w, algo.theta[i])
+            )
+            torch.testing.assert_close(algo.personal_state(i), expect)
+            torch.testing.assert_close(algo.personal_states()[i], expect)
+            hits = algo.trainer.correct(expect, fed.test_idx[i]).float().mean()
+            assert scores["personal"]["L"]["acc"][i] == pytest.approx(float(hits))
+        shared = algo.shared
+        gap = (algo.personal_state(1)[shared] - algo.theta[1, shared]).abs().max()
+        assert (gap > 1e-4) == (mode == "aggregated")
+
+
+@pytest.mark.quick
+def test_second_engines_take_the_runs_chunking_and_memory_budget():
+    """FedFomo's and FedRoD's own engines (`_shared.make_engine`) train with the run's
+    engine settings, `engine.chunk_clients` and `engine.memory_budget` included."""
+    from conftest import TinyFed, compose
+    from fedbench.algorithms import ALGORITHMS
+    from fedbench.engine import Engine
+
+    fed = TinyFed()
+    model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8])  # noqa: E731
+    for name in ("fedfomo", "fedrod"):
+        cfg = compose([f"algo={name}", "engine.backend=vmap", "engine.drop_last=true"])
+        eng = Engine(
+            fed, model_fn(), device="cpu", seed=5, backend="vmap", drop_last=True,
+            eval_batch_size=7, chunk_clients=2, memory_budget=0.25,
+        )  # fmt: skip
+        trainer = ALGORITHMS.get(name)(cfg, fed, eng, model_fn).trainer
+        got = {k: getattr(trainer, k) for k in ("chunk_clients", "memory_budget", "seed")}
+        assert got == {"chunk_clients": 2, "memory_budget": 0.25, "seed": 5}
+        assert (trainer.backend, trainer.drop_last, trainer.eval_batch_size) == ("vmap", True, 7)
+
+
+# ----------------------------------------------------------------------------- uploads
+class Spy:
+    """A stand-in attack: records what reaches `Algorithm.receive` and passes it on (rows of
+    the clients in `shift` get +1 on their parameters, to see where the server uses them)."""
+
+    def __init__(self, shift=()):
+        self.calls, self.shift = [], set(shift)
+
+    def apply(self, uploads, clients, *, ref=None, kind="model", n_params=None):
+        self.calls.append((uploads.clone(), list(map(int, clients)), ref, kind))
+        out = uploads.clone()
+        for r, c in enumerate(clients):
+            if int(c) in self.shift:
+                out[r, ..., : n_params if kind != "other" else None] += 1.0
+        return out
+
+
+UPLOADS = {
+    "diversifed": "model",
+    "fedamp": "model",
+    "fedfomo": "model",
+    "apple": "model",
+    "fedproto": "other",
+    "fedrod": "model",
+    "fedcac": "model",
+    "perfedavg": "model",
+}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", list(UPLOADS))
+def test_uploads_reach_the_server_through_receive(name):
+    algo, eng, _ = make(name)
+    assert algo.attackable
+    for t, clients in enumerate(([0, 1, 2], [0, 2])):
+        algo.attack = spy = Spy()
+        algo.round(t, clients)
+        ((up, who, ref, kind),) = spy.calls  # one call per round, every sampled client
+        assert who == clients and kind == UPLOADS[name] and up.shape[0] == len(clients)
+        if kind == "model":
+            assert ref is not None and ref.shape[-1] == up.shape[1]  # [C, D] or one [D]
+            # a model upload is the full state in the run model's layout
+            assert up.shape[1] == eng.n_state
+
+
+@pytest.mark.quick
+def test_diversifed_stores_what_the_server_receives_and_ref_is_the_start():
+    algo, eng, _ = make("diversifed")
+    algo.round(0, [0, 1, 2])
+    z = algo.server_models(torch.arange(3))
+    algo.attack = spy = Spy(shift=[1])
+    algo.round(1, [0, 1, 2])
+    ((up, _, ref, _),) = spy.calls
+    torch.testing.assert_close(ref, z)  # trained from z_i (algo.start = z)
+    P = eng.n_params
+    torch.testing.assert_close(algo.w[1, :P], up[1, :P] + 1.0)
+    torch.testing.assert_close(algo.w[[0, 2]], up[[0, 2]])
 
 
 # ----------------------------------------------------------------------------- FedCAC
