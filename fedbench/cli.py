@@ -140,8 +140,9 @@ def precheck(argv: list[str]) -> str | None:
     """Compose the config as Hydra will and check it before Hydra starts (and so before it
     writes anything): a mistyped key, a hyperparameter of the wrong type or out of range,
     and (resume=true) a config that differs from the run directory's checkpoint are one line
-    (exit 2) instead of Hydra's multi-line error or a run that starts. None: all good, or
-    nothing fedbench can check here (Hydra's own flags; Hydra then reports)."""
+    (exit 2) instead of Hydra's multi-line error or a run that starts. A multirun has its
+    first job composed (a mistyped key); its values are checked job by job (Run). None: all
+    good, or nothing fedbench can check here (Hydra's own flags; Hydra then reports)."""
     from hydra._internal.utils import get_args_parser
 
     try:
@@ -161,6 +162,10 @@ def precheck(argv: list[str]) -> str | None:
         cfg = _compose(overrides)
     except (HydraException, OmegaConfBaseException) as e:
         return _unknown_key_message(e, overrides) or f"fedbench: {_one_line(e)}"
+    if args.multirun:
+        # A value a job cannot run with fails that job only (its directory has no
+        # summary.json; the sweep goes on), as in Run; a composition error ends every sweep.
+        return None
     from fedbench.algorithms import ALGORITHMS
     from fedbench.algorithms.params import check_params
     from fedbench.runner import check_resume, validate
@@ -171,7 +176,7 @@ def precheck(argv: list[str]) -> str | None:
         validate(task)
         name = str(task.algo.name)
         check_params(task.algo, ALGORITHMS.get(name).Params, name)
-        if task.resume and not args.multirun and run_dir:
+        if task.resume and run_dir:
             check_resume(task, run_dir)
     except FedbenchError as e:
         return f"fedbench: {e}"

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from conftest import fmnist_available
+from conftest import compose, fmnist_available
+
+REPO = Path(__file__).resolve().parents[1]
+# This checkout's fedbench, whatever the environment's editable install points at.
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 SMALL = [
     "clients=10",
@@ -24,7 +30,7 @@ SMALL = [
 
 def fedbench(*args: str, cwd) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", "from fedbench.cli import main; main()", *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=ENV)
 
 
 needs_fmnist = pytest.mark.skipif(not fmnist_available(), reason="FMNIST not installed")
@@ -149,3 +155,143 @@ def test_missing_launcher_plugin_is_one_line(tmp_path):
         pytest.skip("the joblib launcher is installed")
     r = fedbench("-m", "hydra/launcher=joblib_local", "seed=0,1", cwd=tmp_path)
     assert r.returncode == 2 and "pip install" in r.stderr
+
+
+# --------------------------------------------------------------------------- one cell = one command
+def script_cells(script: str, *tables: str) -> list[list[str]]:
+    """The fedbench commands a reproduce script runs (DRY_RUN), one seed, as argument lists."""
+    r = subprocess.run(
+        ["bash", str(REPO / "scripts" / script), *tables],
+        capture_output=True,
+        text=True,
+        env={**ENV, "DRY_RUN": "1", "SEEDS": "0"},
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    return [ln.split()[3:] for ln in r.stdout.splitlines() if ln.startswith("+ fedbench -m ")]
+
+
+# The keys a table script may sweep (its columns); anything else would be a per-method
+# setting the one-cell command lacks.
+SWEEP_KEYS = {"split.alpha", "participation", "local_epochs", "algo.rho", "algo.personal_layers"}
+
+
+def first_job(args: list[str]) -> list[str]:
+    """A sweep's first cell: each comma list's first value, without hydra.sweep.dir."""
+    return [a.split(",")[0] for a in args if not a.startswith("hydra.sweep.dir=")]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("script", ["reproduce_diversifed.sh", "reproduce_plgu.sh"])
+def test_table_scripts_only_sweep(script):
+    cells = script_cells(script)
+    assert len(cells) > 40
+    for args in cells:
+        keys = [a.split("=")[0] for a in args]
+        assert keys[:3] == ["+experiment", "algo", "seed"], args
+        extra = set(keys[3:]) - {"hydra.sweep.dir"}
+        assert extra <= SWEEP_KEYS, f"{script} adds {extra - SWEEP_KEYS} to {args}"
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "script,table,preset,algo,cell",
+    [
+        ("reproduce_diversifed.sh", "table1_fmnist", "diversifed_table1_fmnist", "pfedme", []),
+        (
+            "reproduce_diversifed.sh",
+            "table2_cifar100",
+            "diversifed_table2_cifar100",
+            "fedcac",
+            ["split.alpha=0.01"],
+        ),
+        ("reproduce_diversifed.sh", "table1_cifar10", "diversifed_table1_cifar10", "fedrod", []),
+        ("reproduce_plgu.sh", "t2_tinyimagenet", "plgu_t2_tinyimagenet", "pfedhn", []),
+        ("reproduce_plgu.sh", "t3", "plgu_t3_cifar10", "plgu_ghn", ["local_epochs=1"]),
+    ],
+)
+def test_one_cell_command_is_the_table_scripts_run(script, table, preset, algo, cell):
+    """`fedbench +experiment=<preset> algo=<algo>` (+ the column) composes exactly the config
+    the table script runs for that cell."""
+    runs = [a for a in script_cells(script, table) if f"algo={algo}" in a]
+    assert len(runs) == 1
+    ours = compose([f"+experiment={preset}", f"algo={algo}", "seed=0", *cell])
+    theirs = compose(first_job(runs[0]))
+    assert ours == theirs
+
+
+@pytest.mark.quick
+def test_paper_method_settings_come_with_the_preset():
+    from omegaconf import OmegaConf
+
+    from fedbench.report.presets import DIVERSIFED_ALGO_SETTINGS
+
+    def algo(*over):
+        return OmegaConf.to_container(compose(list(over)).algo, resolve=True)
+
+    for preset in (
+        "diversifed_table1_fmnist",
+        "diversifed_table2_cifar100",
+        "diversifed_table3_pathmnist",
+        "diversifed_table7_cifar10",
+    ):
+        for name, settings in DIVERSIFED_ALGO_SETTINGS.items():  # the report's rows agree
+            a = algo(f"+experiment={preset}", f"algo={name}")
+            for key, value in settings.items():
+                assert a[key.removeprefix("algo.")] == value, (preset, name, key)
+    assert algo("algo=pfedme")["eval_model"] == "theta"  # the paper's default without a preset
+    assert algo("algo=fedrod")["eval_model"] == "trained"
+    for preset, tau, beta in (
+        ("diversifed_table1_cifar100", 0.4, 170),
+        ("diversifed_table2_cifar100", 0.4, 170),
+        ("diversifed_table1_cifar10", 0.5, 100),
+    ):
+        a = algo(f"+experiment={preset}", "algo=fedcac")
+        assert (a["tau"], a["beta"]) == (tau, beta)
+    assert algo("+experiment=diversifed_table1_cifar100", "algo=pfedme")["eval_model"] == "local"
+    # PLGU: E epochs of local work for every method; the hypernetwork generates the classifier
+    a = algo("+experiment=plgu_t1_tinyimagenet", "algo=pfedme")
+    assert a["local_rounds"] is None
+    for name in ("pfedhn", "plgu_ghn"):
+        a = algo("+experiment=plgu_t2_tinyimagenet", f"algo={name}", "local_epochs=3")
+        assert a["inner_epochs"] == 3 and (a["hypernet"]["generate"], a["hypernet"]["k"]) == (
+            "last_k",
+            1,
+        )
+    assert algo("+experiment=plgu_t2_cifar10", "algo=fedrep")["head_epochs"] == 5
+    assert algo("+experiment=plgu_t1_cifar10", "algo=fedavg") == {
+        "name": "fedavg",
+        "weighting": "samples",
+    }
+    a = algo("+experiment=plgu_ghn_layerwise_cifar10")
+    assert a["name"] == "plgu_ghn" and a["hypernet"]["k"] == 2
+
+
+@pytest.mark.quick
+def test_layerwise_preset_scores_two_layers():
+    """plgu_ghn_layerwise_cifar10 generates two target layers (PLGU's presets one, where the
+    scores are all 1)."""
+    from omegaconf import OmegaConf
+
+    from fedbench.models import build_model
+    from fedbench.models.hypernet import select_targets
+
+    for preset, n_layers in (("plgu_ghn_layerwise_cifar10", 2), ("plgu_t2_cifar10", 1)):
+        cfg = compose([f"+experiment={preset}", "algo=plgu_ghn"])
+        m = OmegaConf.to_container(cfg.model, resolve=True)
+        model = build_model(m.pop("name"), (3, 32, 32), 10, **m)
+        hn = cfg.algo.hypernet
+        gen = set(select_targets(model, hn.generate, hn.k).generated)
+        layers = [lay for lay in model.layers() if set(lay.params) & gen]
+        assert len(layers) == n_layers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["reproduce_diversifed.sh", "reproduce_plgu.sh"])
+def test_every_table_cell_passes_the_checks(script):
+    """Every cell of the tables composes and passes the Params schema (no key of one method
+    leaks into another's config)."""
+    from fedbench.cli import precheck
+
+    for args in script_cells(script):
+        assert precheck(first_job(args)) is None, args

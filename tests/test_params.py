@@ -113,9 +113,9 @@ def test_cli_exit_2_one_line(monkeypatch, capsys, tmp_path):
     code, out, err = run_main(monkeypatch, capsys, "algo=fedprox", "algo.mu=-1")
     assert (code, out) == (2, "")
     assert err.strip() == "fedbench: algo.mu=-1 must be >= 0"
-    # a sweep is checked on its first job before Hydra launches any
-    code, _, err = run_main(monkeypatch, capsys, "-m", "algo=fedprox", "seed=0,1", "algo.mu=-1")
-    assert code == 2 and err.count("\n") == 1 and "algo.mu" in err
+    # a sweep's first job is composed before Hydra launches any: a mistyped key ends it
+    code, _, err = run_main(monkeypatch, capsys, "-m", "algo=fedprox", "seed=0,1", "algo.muu=1")
+    assert code == 2 and err.count("\n") == 1 and "algo.muu" in err
     assert list(tmp_path.iterdir()) == []  # no outputs/ or multirun/ directory
 
 
