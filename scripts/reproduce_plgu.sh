@@ -12,6 +12,10 @@
 # and method run for one of them is not run again for the other (one sweep directory,
 # $OUT/t1_t2/<column>/<method>; the sweeps of Tables 3-4 and Fig. 5 go to $OUT/<preset>).
 # Tables 3-4 and Fig. 5 sweep E, rho and D on CIFAR-10 with C = 10.
+# The script only sweeps: a method's PLGU settings (FedRep's head epochs, the hypernetwork of
+# pFedHN / PLGU-GHN, E epochs of local work for every method) are config
+# (conf/paper_algo/plgu/<algo>.yaml, chosen by the preset), so one cell of a table is
+# `fedbench +experiment=plgu_<preset> algo=<method>`.
 #
 # Environment: SEEDS (comma list, default 0,1,2: the paper does not say how many runs),
 # ROUNDS (default: the presets' 500), METHODS (space list, default: the table's rows),
