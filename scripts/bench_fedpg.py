@@ -4,10 +4,11 @@ For the FedPG appendix's FMNIST setting (fedpg_table1_fmnist: 100 clients, pat-2
 784-200-200-10, E = 5, batch 50) this prints, per round, the seconds FedPG and S-FedPG spend in
 the clients' full gradients (one `Engine.full_grads` call), in the server's direction (the
 normalization, history, fairness row, the min-norm QP from the Gram matrix and the rescaling,
-plus the personalized coefficients r_i) and in S-FedPG's line search (its loss queries), next
-to a whole FedAvg round (E local epochs) on the same sampled clients. Participation 10% (the
-tables) and 100% (100 clients online: the largest QP). Each number is the median over the timed
-rounds after one warm-up round (shared machines are noisy).
+plus the personalized coefficients r_i; of which the float64 Gram matrix of the QP's rows and
+the cvxopt solve on it, with the number of rows) and in S-FedPG's line search (its loss
+queries), next to a whole FedAvg round (E local epochs) on the same sampled clients.
+Participation 10% (the tables) and 100% (100 clients online: the largest QP). Each number
+is the median over the timed rounds after one warm-up round (shared machines are noisy).
 
     python scripts/bench_fedpg.py                       # CPU (CUDA if present: device=auto)
     (from the repository root; PYTHONPATH=. if another fedbench checkout is installed)
@@ -52,7 +53,8 @@ def sync(device: torch.device) -> None:
 
 def bench(algo: str, participation: float, device: str, reps: int, tmp: Path) -> dict:
     run = build(algo, participation, device, tmp)
-    rows: dict[str, list[float]] = {"round": [], "grads": [], "qp": [], "line_search": []}
+    keys = ("grads", "qp", "gram", "qp_solve", "rows", "line_search")
+    rows: dict[str, list[float]] = {"round": [], **{k: [] for k in keys}}
     for t in range(reps + 1):
         clients = run.sample()
         sync(run.device)
@@ -62,7 +64,7 @@ def bench(algo: str, participation: float, device: str, reps: int, tmp: Path) ->
         if t == 0:
             continue  # warm-up
         rows["round"].append(time.perf_counter() - t0)
-        for k in ("grads", "qp", "line_search"):
+        for k in keys:
             rows[k].append(getattr(run.algo, "timing", {}).get(k, float("nan")))
     return {k: statistics.median(v) for k, v in rows.items()} | {"device": str(run.device)}
 

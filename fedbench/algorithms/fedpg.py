@@ -292,7 +292,7 @@ class FedPG(Algorithm):
         trials = 0
         if m == 0:  # nothing to learn from: w stays, sampled clients deploy it
             d, step = torch.zeros(P, device=self.device), 0.0
-            self.timing.update(qp=0.0, line_search=0.0)
+            self.timing.update(qp=0.0, line_search=0.0, gram=0.0, qp_solve=0.0, rows=0)
         else:
             g_on, L_on = g[keep], L[keep]
             # step 3: absent clients' history (stored before this round's directions)
@@ -314,8 +314,11 @@ class FedPG(Algorithm):
             nG = G.shape[0]
             mean_gh = gh.mean(0)
             sigma = 1.0
+            tg = time.perf_counter()
             K = gram(Q)
+            tq = time.perf_counter()
             found = None if Q.shape[0] == 1 else min_norm_direction(Q, K)
+            self.timing.update(gram=tq - tg, qp_solve=time.perf_counter() - tq, rows=Q.shape[0])
             if Q.shape[0] == 1:  # one online client, no history: d = g_1
                 d, Dj = gh[0], K[0, :nG]
             elif found is None:
