@@ -21,6 +21,7 @@ from fedbench.engine.prox import (
     nuclear_prox,
     soft_threshold,
     svt,
+    svt_gram,
     to_matrix,
 )
 from fedbench.engine.spec import ModelSpec
@@ -223,3 +224,24 @@ def test_fedslr_learns_fmnist_and_gkr_becomes_low_rank(tmp_path):
     assert 0 < m["p_density"] < 1
     # downlink: the GKR factorized (at the rank of the round's start); uplink: the dense x_i
     assert summary["size"]["down_MB"] <= summary["size"]["up_MB"]
+
+
+def test_gram_solver_equals_svd():
+    torch.manual_seed(1)
+    for shape in [(2, 9, 4), (3, 5, 12)]:  # tall and wide, batched
+        w = torch.randn(*shape)
+        s = torch.linalg.svdvals(w.double())
+        tau = float(s.median())  # some singular values survive, some do not
+        a, ra = svt(w, tau, double=True)
+        b, rb = svt_gram(w, tau)
+        assert torch.allclose(a, b, atol=1e-5)
+        assert torch.equal(ra, rb)
+    torch.manual_seed(0)
+    model = ConvNet()
+    spec = ModelSpec(model)
+    w = spec.flatten(model)
+    ref, rref = nuclear_prox(w, spec, 0.3, solver="svd64")
+    for solver in ("svd", "gram"):
+        out, ranks = nuclear_prox(w, spec, 0.3, solver=solver)
+        assert torch.allclose(out, ref, atol=1e-5), solver
+        assert [r.rank for r in ranks] == [r.rank for r in rref]

@@ -65,7 +65,7 @@ class FedSLRParams(FedDynParams):
     sparse_penalty: float = nonneg()
     fusion_epochs: int = positive()
     p_init: Literal["copy", "zero"]
-    svd_float64: bool
+    prox_solver: Literal["svd", "svd64", "gram"]
 
 
 @ALGORITHMS.register("fedslr")
@@ -131,7 +131,7 @@ class FedSLR(FedDyn):
         z = self.server_average(x)
         if self.tau > 0:
             self.theta, self.ranks = nuclear_prox(
-                z, self.engine.spec, self.tau, double=bool(self.hp.svd_float64)
+                z, self.engine.spec, self.tau, solver=str(self.hp.prox_solver)
             )
         else:
             self.theta = z
