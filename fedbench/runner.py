@@ -78,9 +78,19 @@ def validate(cfg: DictConfig) -> None:
 
 
 # Keys a resumed run may change: how long it runs, how it is evaluated and checkpointed, where
-# it computes. Everything else decides the run's numbers: a resume that changes it stops.
-# (`rounds` may grow: APPLE's L = l_frac * rounds and FedSpa's cosine schedule follow it.)
-RESUME_MAY_CHANGE = ("rounds", "eval", "checkpoint", "device", "engine", "resume")
+# it computes and finds its files. Everything else decides the run's numbers: a resume that
+# changes it stops. (`rounds` may grow: APPLE's L = l_frac * rounds and FedSpa's cosine
+# schedule follow it.)
+RESUME_MAY_CHANGE = (
+    "rounds",
+    "eval",
+    "checkpoint",
+    "device",
+    "engine",
+    "resume",
+    "data.root",
+    "data.download",
+)
 
 
 def _flat_items(node, prefix: str = "") -> dict:

@@ -138,7 +138,26 @@ def test_resume_differences_names_keys_outside_the_allowed_ones():
         "algo.name ('fedavg' -> 'fedprox')",
         "seed (0 -> 1)",
     ]
-    assert set(RESUME_MAY_CHANGE) == {"rounds", "eval", "checkpoint", "device", "engine", "resume"}
+    assert set(RESUME_MAY_CHANGE) == {
+        "rounds",
+        "eval",
+        "checkpoint",
+        "device",
+        "engine",
+        "resume",
+        "data.root",
+        "data.download",
+    }
+    # data.root may move, data.name may not
+    assert (
+        resume_differences(
+            {"data": {"name": "fmnist", "root": "/a"}}, {"data": {"name": "fmnist", "root": "/b"}}
+        )
+        == []
+    )
+    assert resume_differences({"data": {"name": "fmnist"}}, {"data": {"name": "cifar10"}}) == [
+        "data.name ('fmnist' -> 'cifar10')"
+    ]
 
 
 @pytest.mark.slow
