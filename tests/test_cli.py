@@ -295,3 +295,47 @@ def test_every_table_cell_passes_the_checks(script):
 
     for args in script_cells(script):
         assert precheck(first_job(args)) is None, args
+
+
+@pytest.mark.slow
+@needs_fmnist
+def test_layerwise_preset_scores_differ_and_k1_scores_are_one(tmp_path, monkeypatch):
+    """PLGU-GHN's first hypernetwork update on the two presets' hypernetwork settings (FMNIST
+    and ResNet-8 for speed): one generated layer scores [1.0] (SAM); the layer-wise preset's
+    two layers score differently (seen: [0.69, 1.31])."""
+    import fedbench.algorithms.plgu as plgu
+    from fedbench.runner import Run
+
+    seen = []
+    real = plgu.normalize_scores
+
+    def spy(xi, rule):
+        out = real(xi, rule)
+        seen.append(out.detach().cpu().tolist())
+        return out
+
+    monkeypatch.setattr(plgu, "normalize_scores", spy)
+    small = [
+        "data=fmnist",
+        "model=resnet8",
+        "clients=4",
+        "participation=2",
+        "rounds=1",
+        "split.classes_per_client=2",
+        "split.train_per_client=50",
+        "split.test_per_client=20",
+        "local_epochs=1",
+        "device=cpu",
+    ]
+    for preset, extra, n in (
+        ("plgu_ghn_layerwise_cifar10", [], 2),
+        ("plgu_t2_cifar10", ["+model.layer_unit=module"], 1),
+    ):
+        seen.clear()
+        cfg = compose([f"+experiment={preset}", "algo=plgu_ghn", *small, *extra])
+        Run(cfg, tmp_path / preset, progress=False).run()
+        assert len(seen[0]) == n
+        if n == 1:
+            assert seen[0] == pytest.approx([1.0])
+        else:
+            assert abs(seen[0][0] - seen[0][1]) > 0.05
