@@ -14,6 +14,7 @@ import csv
 import io
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -523,14 +524,16 @@ def test_sweep_then_report(tmp_path):
             "participation=1.0", "eval.every=1", "split.train_per_client=100",
             "split.test_per_client=50", "model.hidden=[32]", "device=cpu",
             f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
+    # this checkout's fedbench, whatever the environment's editable install points at
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     r = subprocess.run([*fedbench, *args], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=300)  # fmt: skip
+                       timeout=300, env=env)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     assert (sweep_dir / "multirun.yaml").is_file()
     report = [sys.executable, "-m", "fedbench.report", str(sweep_dir)]
     r = subprocess.run([*report, "--select", "best", "--format", "csv", "--plots",
                         str(tmp_path / "figs")], capture_output=True, text=True,
-                       timeout=120)  # fmt: skip
+                       timeout=120, env=env)  # fmt: skip
     assert r.returncode == 0, r.stderr
     rows = {row["algo"]: row for row in csv.DictReader(io.StringIO(r.stdout))}
     assert set(rows) == {"fedavg", "local"}
@@ -539,7 +542,7 @@ def test_sweep_then_report(tmp_path):
     for name in ("curves", "clients", "lsg"):
         assert_png(tmp_path / "figs" / f"{name}.png")
     r = subprocess.run([*report, "--preset", "diversifed_table1", "--compact"],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+                       capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "FedAvg" in r.stdout and "Separate" in r.stdout and "96.10 ± 0.26" in r.stdout
 
