@@ -282,9 +282,20 @@ class Run:
             if (t + 1) % every == 0 or t + 1 == rounds:
                 loss = float(info.get("train_loss", float("nan")))
                 if not math.isfinite(loss):
-                    raise FedbenchError(
-                        f"training diverged at round {t + 1} (loss {loss}); lower optim.lr"
-                    )
+                    if self.attack is None:
+                        raise FedbenchError(
+                            f"training diverged at round {t + 1} (loss {loss}); lower optim.lr"
+                        )
+                    # under attack a collapse is the outcome measured (FedPG Table 3): go on
+                    if not getattr(self, "_warned_collapse", False):
+                        self._warned_collapse = True
+                        log.warning(
+                            "training diverged at round %d under attack.kind=%s (loss %s); "
+                            "the run goes on and scores the collapsed models",
+                            t + 1,
+                            cfg.attack.kind,
+                            loss,
+                        )
                 res = evaluate(self.algo, self.fed, tail, honest=self.honest)
                 summ = summaries(res)
                 row = {"round": t + 1, "wall_time_s": time.perf_counter() - t0, "train_loss": loss}
