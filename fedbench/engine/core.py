@@ -286,7 +286,8 @@ class Engine:
 
     @property
     def grad(self) -> torch.Tensor:
-        """The flat gradient [P] the last `grad_at_loaded` left (the module's .grad views)."""
+        """The flat gradient buffer [P] the last `grad_at_loaded` left (the module's .grad
+        views); the next call overwrites it: copy it to keep it (`_steps.grad_at` does)."""
         return self._g
 
     def grad_at_loaded(
