@@ -53,7 +53,7 @@ def _bench(*args: str) -> list[dict]:
 
 
 def test_evaluation_extra_peak_is_a_few_models_not_n():
-    """A 2.7M-parameter MLP, 64 clients: every [N, D] row would be 64 models (0.7 GB); an
+    """A 2.7M-parameter MLP, 96 clients: every [N, D] row would be 96 models (1 GB); an
     evaluation of FedRep, Ditto or pFedMe adds a few models at most to the process's peak RSS
     (ru_maxrss after minus before, peak reset first; scripts/bench_eval_memory.py in a
     subprocess). The control evaluates through personal_states()[i], as before the fix:
@@ -61,13 +61,15 @@ def test_evaluation_extra_peak_is_a_few_models_not_n():
     if sys.platform != "linux":
         pytest.skip("peak RSS reset needs Linux /proc/self/clear_refs")
     common = ["--model", "mlp", "--hidden", "2048", "512", "--input", "1", "28", "28"]
-    common += ["--classes", "10", "--clients", "64", "--threads", "1"]
+    common += ["--classes", "10", "--clients", "96", "--threads", "1"]
     algos = ["fedrep", "ditto", "pfedme", "fedrep:all_rows", "ditto:all_rows"]
     rows = _bench(*common, "--algos", *algos)
     assert [r["algo"] for r in rows] == algos
     for r in rows:
         assert r["peak_reset"] and r["params"] > 2_000_000
         if r["algo"].endswith(":all_rows"):
-            assert r["extra_peak_models"] > 48, r  # the measurement does see N rows
+            # the measurement sees the N = 96 rows (the kernel's RSS counters are approximate
+            # under load: measured 43 to 64 of 64 rows)
+            assert r["extra_peak_models"] > 48, r
         else:
             assert r["extra_peak_models"] < 16, r  # a few models (allocator slack included)
