@@ -257,7 +257,8 @@ def test_presets_compose_with_the_paper_settings(preset):
     assert cfg.model.norm == "group"
     shape, classes = SHAPES[data]
     with torch.device("meta"):
-        model = build_model(str(cfg.model.name), shape, classes)
+        unit = str(cfg.model.get("layer_unit") or "op_norm")  # what `last_k` counts
+        model = build_model(str(cfg.model.name), shape, classes, layer_unit=unit)
     hn = cfg.algo.hypernet
     names = select_targets(model, hn.generate, hn.k).generated
     numels = [model.get_parameter(p).numel() for p in names]
