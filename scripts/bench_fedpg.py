@@ -88,14 +88,15 @@ def main() -> None:
                 f"device {res['fedpg']['device']} (seconds, median of {args.reps} rounds)"
             )
             print(
-                f"{'':10s} {'round':>8s} {'grads':>8s} {'QP+dir':>8s} {'search':>8s} "
-                f"{'QP/round':>9s}"
+                f"{'':10s} {'round':>8s} {'grads':>8s} {'QP+dir':>8s} {'(gram':>8s} "
+                f"{'solve)':>8s} {'rows':>5s} {'search':>8s} {'QP+dir/round':>13s}"
             )
             for a, r in res.items():
                 qp = r["qp"] / r["round"] if r["qp"] == r["qp"] else float("nan")
                 print(
                     f"{a:10s} {r['round']:8.3f} {r['grads']:8.3f} {r['qp']:8.3f} "
-                    f"{r['line_search']:8.3f} {qp:9.1%}"
+                    f"{r['gram']:8.3f} {r['qp_solve']:8.3f} {r['rows']:5.0f} "
+                    f"{r['line_search']:8.3f} {qp:13.1%}"
                 )
             print(
                 f"FedAvg local training (whole round): {res['fedavg']['round']:.3f} s; "
