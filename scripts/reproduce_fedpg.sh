@@ -65,8 +65,8 @@ for preset in "${presets[@]}"; do
     gamma=()
     [[ $method == *@* ]] && gamma=("algo.gamma=${method#*@}")
     for lr in $LRS; do
-      args=(fedbench -m "+experiment=fedpg_$preset" "algo=$algo" "${gamma[@]}" "optim.lr=$lr"
-        "seed=$SEEDS")
+      args=(fedbench -m "+experiment=fedpg_$preset" "algo=$algo" "seed=$SEEDS" "optim.lr=$lr"
+        "${gamma[@]}")
       [[ -n "${ROUNDS:-}" ]] && args+=("rounds=$ROUNDS")
       args+=("hydra.sweep.dir=$OUT/$preset/$method/lr$lr" "${EXTRA_ARGS[@]}")
       run "${args[@]}"
