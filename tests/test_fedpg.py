@@ -257,3 +257,49 @@ def test_fedpg_learns_fmnist(tmp_path, algo):
     assert final["global"]["G"]["avg"] > 0.55
     assert final["personal"]["L"]["avg"] > 0.6
     assert final["personal"]["G"]["avg"] > 0.55
+
+
+def test_reproduce_script_cells_are_one_cell_commands():
+    """Every run scripts/reproduce_fedpg.sh starts for Tables 1 (FMNIST) and 3 (A2) composes
+    exactly `fedbench +experiment=<preset> algo=<a> seed=0 optim.lr=<lr> [algo.gamma=<g>]`
+    and passes the Params schema; the FedPG authors' FedAMP/APFL settings come with it."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from conftest import compose
+    from fedbench.algorithms import ALGORITHMS
+    from fedbench.algorithms.params import check_params
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        ["bash", str(repo / "scripts" / "reproduce_fedpg.sh"), "table1_fmnist", "table3_fmnist_a2"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DRY_RUN": "1", "SEEDS": "0"},
+        timeout=60,
+        check=True,
+    ).stdout
+    cells = [ln.split()[3:] for ln in out.splitlines() if ln.startswith("+ fedbench -m ")]
+    assert len(cells) == 3 * (17 + 10)  # lr grid x (Table 1's rows + Table 3's)
+    for args in cells:
+        job = [a for a in args if not a.startswith("hydra.sweep.dir=")]
+        keys = [a.split("=")[0] for a in job]
+        assert keys[:3] == ["+experiment", "algo", "seed"]
+        assert set(keys[3:]) <= {"optim.lr", "algo.gamma"}
+        cfg = compose(job)
+        check_params(cfg.algo, ALGORITHMS.get(cfg.algo.name).Params, cfg.algo.name)
+        if cfg.algo.name == "fedamp":
+            assert (cfg.algo.alpha_k, cfg.algo.sigma, cfg.algo.lam) == (5e-3, 0.1, 0.1)
+            assert cfg.algo.detach_prox is True
+        if cfg.algo.name == "apfl":
+            assert (cfg.algo.alpha, cfg.algo.adaptive) == (0.1, True)
+        if "table3" in job[0]:
+            assert cfg.attack.kind == "a2" and cfg.attack.fraction == 0.1
+    assert (cfg.clients, cfg.participation, cfg.rounds, cfg.local_epochs, cfg.batch_size) == (
+        100,
+        0.1,
+        2000,
+        5,
+        50,
+    )
