@@ -105,6 +105,15 @@ def test_normalize_drops_tiny_gradients_and_uses_the_mean_norm():
     assert torch.allclose(gh.norm(dim=1), torch.tensor([3.0, 3.0]))
 
 
+def test_median_mu_ignores_one_scaled_gradient():
+    g = torch.tensor([[1.0, 0.0], [0.0, 2.0], [0.0, 3.0], [300.0, 0.0]])
+    _, mu_mean, _ = fedpg.normalize(g)
+    _, mu_med, gh = fedpg.normalize(g, rule="median")
+    assert mu_mean == pytest.approx(76.5)
+    assert mu_med == pytest.approx(2.0)  # torch's lower median of 1, 2, 3, 300
+    assert torch.allclose(gh.norm(dim=1), torch.full((4,), 2.0))
+
+
 def test_personal_coeffs_on_a_hand_made_case():
     # gh1 = (1, 0), gh2 = (-0.6, 0.8): the min-norm point is d = (0.2, 0.4), D = (0.2, 0.2),
     # K12 = -0.6; r_1 = D_2 / (D_2 - K_12) = 0.2 / 0.8 = 0.25 and likewise r_2.

@@ -7,6 +7,8 @@ Round t, sampled set S_t, step eta_t = eta_0 0.999^t (`optim.lr`, `optim.lr_deca
    or the pseudo-gradient (w^t - w_i) / eta_t after E local epochs (`pseudo`).
    RECONSTRUCTION: the appendix's "5 local epochs" suggests `pseudo`; both are kept.
 2. Clients with ||g_i|| <= 1e-6 are dropped; mu = mean ||g_i||, gh_i = mu g_i / ||g_i||.
+   (`mu_rule: median` is our extension, not the paper's: one client uploading 100 g_i (A2)
+   inflates the mean norm ~10x with 10 online clients, and so the step; the median does not.)
 3. Absent-client history: the server keeps each client's last direction g_j/||g_j|| and the
    round t_j it was seen. With M = clients ever seen, if M > |S_t|: tau = floor(M / |S_t|),
    every absent client with t - t_j <= tau adds mu g_j/||g_j|| to the rows (the round counts
@@ -73,6 +75,7 @@ class FedPGParams:
     client_grad: Literal["full", "pseudo"]
     gamma: float | None = hp(gt=0, le=1)
     gamma_mode: Literal["floor", "scale", "cap"]
+    mu_rule: Literal["mean", "median"]
 
 
 @dataclass
@@ -83,15 +86,15 @@ class SFedPGParams(FedPGParams):
 
 
 # ---------------------------------------------------------------------- the pieces, as math
-def normalize(g: torch.Tensor, tol: float = GRAD_TOL):
+def normalize(g: torch.Tensor, tol: float = GRAD_TOL, rule: str = "mean"):
     """(keep [C] bool, mu, gh [kept, P]): drop tiny gradients, rescale the rest to the mean
-    norm mu (step 2)."""
+    norm mu (step 2; `rule="median"`: the median norm, our robustness variant)."""
     norms = g.norm(dim=1)
     keep = torch.isfinite(norms) & (norms > tol)
     if not bool(keep.any()):
         return keep, 0.0, g[:0]
     n = norms[keep]
-    mu = float(n.mean())
+    mu = float(n.median() if rule == "median" else n.mean())
     return keep, mu, g[keep] * (mu / n)[:, None]
 
 
@@ -286,7 +289,7 @@ class FedPG(Algorithm):
         self._sync()
         t1 = time.perf_counter()
 
-        keep, mu, gh = normalize(g)
+        keep, mu, gh = normalize(g, rule=self.hp.mu_rule)
         on = idx[keep]
         m = int(on.numel())
         trials = 0
