@@ -75,7 +75,7 @@ def _as_paper_run(run_dir, cfg, data="cifar10"):
 def test_sizes_in_metrics_summary_and_fedslr_table2(tmp_path, capsys):
     runs = {}
     for name, extra in (
-        ("fedslr", ["algo.rank_penalty=0.02"]),
+        ("fedslr", ["algo.rank_penalty=0.05"]),
         ("fedavg", []),
         ("lg_fedavg", []),
     ):
