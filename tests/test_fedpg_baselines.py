@@ -52,6 +52,22 @@ def test_fedmgda_server_step_is_the_normalized_combination():
     assert torch.allclose(algo.w[:P], w0[:P] - 0.5 * lam @ gh, atol=1e-6)
 
 
+def test_fedmgda_default_server_step_is_the_runs_decayed_lr():
+    # server_lr: null (the YAML default) steps by optim.lr_at(t), as the FedPG authors' code
+    algo, eng, fed = make_algo("fedmgda", ["optim.lr_decay=0.5"], lr=0.05)
+    assert algo.hp.server_lr is None
+    P = eng.n_params
+    for t in range(2):
+        w0 = algo.w.clone()
+        algo.round(t, np.array([0, 1, 2]))
+        delta = w0[None, :P] - algo.theta[:, :P]
+        gh = delta / delta.norm(dim=1, keepdim=True)
+        lam = torch.as_tensor(algo.last_lambda, dtype=gh.dtype)
+        eta = algo.optim.lr_at(t)
+        assert eta == pytest.approx(0.05 * 0.5**t)
+        assert torch.allclose(algo.w[:P], w0[:P] - eta * lam @ gh, atol=1e-6)
+
+
 def test_apfl_loss_gives_the_three_apfl_gradients():
     torch.manual_seed(0)
     base = build_model("mlp", (6,), 3, hidden=[5])

@@ -9,9 +9,11 @@ and finds the min-norm convex combination within eps of the data weights:
              lambda0_i - eps <= l_i <= lambda0_i + eps,   lambda0_i = n_i / sum_j n_j
 
 (cvxopt, float64, from the Gram matrix: `_qp.min_norm_weights` with the box), then
-w^{t+1} = w^t - eta sum_i lambda_i gh_i, eta = `server_lr` (the paper's global learning rate;
-1.0 is the middle of its grid, RECONSTRUCTION of the FedPG tables' value). A failed QP falls
-back to lambda0 (counted in `qp_fallback_rounds`). Clients whose update is ~0 are left out.
+w^{t+1} = w^t - eta_t sum_i lambda_i gh_i. eta_t = `server_lr` when a number (the FedMGDA+
+paper's global learning rate); `server_lr: null` (default) = the run's decayed step
+optim.lr_at(t), as the FedPG authors' FedMGDA+ code steps (RECONSTRUCTION of their tables).
+A failed QP falls back to lambda0 (counted in `qp_fallback_rounds`). Clients whose update is
+~0 are left out.
 
 Personalized model (FedPG appendix L317, "we follow [4]"): a client's model after its last
 local training; a client never sampled deploys w.
@@ -36,7 +38,7 @@ log = logging.getLogger("fedbench")
 @dataclass
 class FedMGDAParams:
     eps: float = fraction()
-    server_lr: float = positive()
+    server_lr: float | None = positive()
 
 
 def box_weights(gh: torch.Tensor, lam0: np.ndarray, eps: float) -> np.ndarray | None:
@@ -84,7 +86,7 @@ class FedMGDA(Algorithm):
                 lam = lam0
             self.last_lambda = lam
             lam_t = torch.as_tensor(lam, dtype=gh.dtype, device=self.device)
-            new[:P] = self.w[:P] - float(self.hp.server_lr) * (lam_t @ gh)
+            new[:P] = self.w[:P] - self.server_lr(t) * (lam_t @ gh)
         if self.engine.n_state > P:
             new[P:] = lam0_all @ states[:, P:]
         self.w = new
@@ -93,6 +95,11 @@ class FedMGDA(Algorithm):
             **self.comm(clients),
             "qp_fallback_rounds": self.fallbacks,
         }
+
+    def server_lr(self, t: int) -> float:
+        """The server's step on the normalized direction: `server_lr`, or optim.lr_at(t)."""
+        lr = self.hp.server_lr
+        return self.optim.lr_at(t) if lr is None else float(lr)
 
     def personal_states(self) -> torch.Tensor:
         return torch.where(self.seen[:, None], self.theta, self.w)
