@@ -83,7 +83,10 @@ def evaluate(algo, fed, tail: float = 0.05, honest=None) -> dict:
                 hits.setdefault(name, []).append(ok_pool[ix].sum())
                 sizes.setdefault(name, []).append(len(ix))
         packed = _pack(hits, sizes, tail, ids)
-        packed["all"] = float(ok_pool[union].float().mean().item()) if union.numel() else 0.0
+        # `all` (the GM column): the pooled test sets of the scored clients (honest only
+        # under an attack; the S/G rows above may still draw on any client's test samples)
+        pooled = union if ids is None else torch.unique(torch.cat([fed.test_idx[i] for i in ids]))
+        packed["all"] = float(ok_pool[pooled].float().mean().item()) if pooled.numel() else 0.0
         result["global"] = packed
     for kind in algo.extra_kinds:
         result[kind] = _per_client(fed, partial(algo.extra_correct, kind), tail, ids)

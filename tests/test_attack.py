@@ -116,3 +116,27 @@ def test_runner_refuses_unreachable_algorithms_and_scores_honest_clients(tmp_pat
 
     clients = set(pd.read_csv(tmp_path / "y" / "clients.csv")["client"].unique().tolist())
     assert clients == set(range(20)) - bad
+
+
+def test_global_all_pools_only_honest_clients_test_sets():
+    """GM (`all`): under an attack, the pooled test sets of honest clients only."""
+    from fedbench.evaluation import evaluate
+
+    class Fed:
+        num_clients = 3
+        y = torch.zeros(9)
+        test_idx = [torch.arange(0, 3), torch.arange(3, 6), torch.arange(6, 9)]
+        s_idx = g_idx = None
+
+    class Algo:
+        has_personal, has_global, extra_kinds = False, True, ()
+
+        @staticmethod
+        def global_correct(idx):  # right on clients 0 and 2's samples, wrong on client 1's
+            return (idx < 3) | (idx >= 6)
+
+    assert evaluate(Algo(), Fed())["global"]["all"] == pytest.approx(6 / 9)
+    honest = np.array([True, False, True])
+    assert evaluate(Algo(), Fed(), honest=honest)["global"]["all"] == pytest.approx(1.0)
+    honest = np.array([False, True, True])
+    assert evaluate(Algo(), Fed(), honest=honest)["global"]["all"] == pytest.approx(3 / 6)
