@@ -347,6 +347,8 @@ class Run:
             "engine": self.engine.state_dict(),
             "sampler": self.sampler.bit_generator.state,
             "augment": self.fed.rng_state(),
+            # the attack's Gaussian stream (A1), so that a resumed run draws the same noise
+            "attack": None if self.attack is None else self.attack._gen.get_state(),
             "version": fedbench.__version__,
             "config": _plain(self.cfg),  # resume=true checks the new config against it
         }
@@ -365,6 +367,8 @@ class Run:
         self.engine.load_state_dict(state["engine"])
         self.sampler.bit_generator.state = state["sampler"]
         self.fed.set_rng_state(state["augment"])
+        if self.attack is not None and state.get("attack") is not None:
+            self.attack._gen.set_state(state["attack"].cpu())
         log.info("resumed from %s at round %d", path, self.progress_state["next_round"])
 
     def _write_metrics(self) -> None:

@@ -140,3 +140,37 @@ def test_global_all_pools_only_honest_clients_test_sets():
     assert evaluate(Algo(), Fed(), honest=honest)["global"]["all"] == pytest.approx(1.0)
     honest = np.array([False, True, True])
     assert evaluate(Algo(), Fed(), honest=honest)["global"]["all"] == pytest.approx(3 / 6)
+
+
+@pytest.mark.slow
+def test_a1_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+    """The attack's Gaussian stream is checkpointed: the resumed A1 run draws the same noise."""
+    from conftest import run_small
+    from fedbench.runner import Run
+
+    if not fmnist_available():
+        pytest.skip("Fashion-MNIST files not installed")
+    over = [
+        "algo=fedpg",
+        "attack.kind=a1",
+        "attack.fraction=0.3",
+        "participation=0.5",
+        "eval.every=2",
+        "checkpoint.every=2",
+    ]
+    full, _ = run_small(tmp_path / "full", over, rounds=5)
+    crashed = Run(compose([*SMALL_FMNIST, "rounds=5", *over]), tmp_path / "run", progress=False)
+    real_round = crashed.algo.round
+
+    def dies_at_round_3(t, clients):
+        if t == 3:
+            raise KeyboardInterrupt
+        return real_round(t, clients)
+
+    monkeypatch.setattr(crashed.algo, "round", dies_at_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        crashed.run()
+    resumed = Run(compose([*SMALL_FMNIST, "rounds=5", *over, "resume=true"]), tmp_path / "run")
+    resumed.progress = False
+    out = resumed.run()
+    assert {k: out[k] for k in ("final", "best")} == {k: full[k] for k in ("final", "best")}
