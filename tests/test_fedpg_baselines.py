@@ -113,20 +113,33 @@ def test_apfl_fixed_alpha_stays_and_adaptive_alpha_moves():
     assert not torch.allclose(a, torch.tensor(0.1)) and (a >= 0).all() and (a <= 1).all()
 
 
-def test_splitgp_server_head_is_averaged_and_bodies_mixed():
+def test_splitgp_server_head_is_averaged_and_bodies_mixed(monkeypatch):
+    from fedbench.algorithms import splitgp
+
     algo, eng, fed = make_algo("splitgp", ["algo.gamma=0.2"])
     clients = np.array([0, 1, 2])
+    trained = {}
+    real = splitgp.train_on
+
+    def capture(*args, **kw):
+        res = real(*args, **kw)
+        trained["states"] = res.states.clone()  # the clients' states after local training
+        return res
+
+    monkeypatch.setattr(splitgp, "train_on", capture)
     start_rows = algo.rows.clone()
     algo.round(0, clients)
-    # the head columns of the global state are the weighted mean of the trained heads
-    head = algo.head
-    w = algo.weights(clients)
-    # bodies: phi_k = 0.2 phi_k' + 0.8 mean(phi'), so phi_k - phi_j = 0.2 (phi_k' - phi_j')
-    body = ~head
+    head, body = algo.head, ~algo.head
+    own = trained["states"][:, algo.cols]  # base layout: body, server head, buffers
+    avg = algo.weights(clients) @ own
     rows = algo.rows[:, algo.cols]
-    mean_body = algo.g[body]
-    own = (rows[:, body] - 0.8 * mean_body) / 0.2
-    assert torch.allclose(w @ own, mean_body, atol=1e-5)
+    # server part and global state: the weighted mean; bodies: gamma own + (1 - gamma) mean
+    assert torch.allclose(algo.g, avg, atol=1e-6)
+    assert torch.allclose(rows[:, head], avg[head].expand(3, -1), atol=1e-6)
+    assert torch.allclose(rows[:, body], 0.2 * own[:, body] + 0.8 * avg[body], atol=1e-6)
+    assert not torch.allclose(own[:, body], avg[body].expand(3, -1))  # the mix is not trivial
+    # the auxiliary heads stay as trained
+    assert torch.equal(algo.rows[:, algo.aux_cols], trained["states"][:, algo.aux_cols])
     assert not torch.equal(algo.rows, start_rows)
     # eval heads: global uses the server head, client uses its auxiliary head
     g_state = algo.personal_state(0)
