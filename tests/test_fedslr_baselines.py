@@ -145,6 +145,44 @@ def test_fedspa_masks_keep_their_density():
     )
 
 
+def test_fedspa_prune_grow_changes_only_the_next_mask():
+    """The server averages the states as trained, each entry over exactly the clients whose
+    TRAINED mask held it; prune-and-grow changes the mask for the next round only, so a
+    grown entry is not zeroed in the global model and starts from it at the next download."""
+    algo, eng, fed = make_algo("fedspa", ["rounds=4", "algo.prune_rate=0.5"])
+    P = eng.n_params
+    clients = np.array([0, 1])
+    trained = []
+    orig = algo.local_train
+
+    def spy(*a, **kw):
+        res = orig(*a, **kw)
+        trained.append(res.states[0].clone())
+        return res
+
+    algo.local_train = spy
+    w_old = algo.w.clone()
+    m_old = algo.masks[torch.as_tensor(clients)].clone()  # [C, P]
+    algo.round(0, clients)
+    up = torch.stack(trained)  # [C, D] the trained states
+    m_new = algo.masks[torch.as_tensor(clients)]
+    assert not torch.equal(m_new, m_old)  # prune-and-grow moved the masks
+    m = m_old.float()
+    cnt = m.sum(0)
+    expect = torch.where(cnt > 0, (up[:, :P] * m).sum(0) / cnt.clamp_min(1), w_old[:P])
+    assert torch.allclose(algo.w[:P], expect, atol=1e-6)
+    # client 0's grown entries: the global value there is the trained average, never 0
+    grown = m_new[0] & ~m_old[0]
+    assert grown.any()
+    assert (algo.w[:P][grown] != 0).all()
+    # ... and client 0's next download starts them from the global value
+    assert torch.equal(algo.personal_state(0)[:P][grown], algo.w[:P][grown])
+    # dropped entries of client 0 that it alone held keep its trained value
+    dropped_only0 = m_old[0] & ~m_new[0] & ~m_old[1]
+    assert dropped_only0.any()
+    assert torch.equal(algo.w[:P][dropped_only0], up[0, :P][dropped_only0])
+
+
 # ------------------------------------------------------------------ real FMNIST
 # 20 clients pat-2 (2 classes each), MLP 784-64-10, 5 rounds at lr 0.05. Thresholds: the
 # global model over 10 classes (chance 0.1) and the personal one on a client's own 2

@@ -6,10 +6,12 @@ drawn from the run's seed). Round t, each sampled client: downloads m_i ⊙ w^t 
 model), trains it E epochs with the run's optimizer on its active entries only (the rest
 stay zero), then updates its mask by prune-and-grow (dynamic sparse training, RigL-style):
 per layer, drop the k = round(alpha_t · active) smallest-magnitude active weights and grow
-k inactive ones with the largest gradient magnitude (one batch, at the trained model),
-grown weights starting at zero; alpha_t = prune_rate · (1 + cos(pi t / T)) / 2. Uploads
-its sparse model w_i ⊙ m_i. Server: every entry averaged over the sampled clients whose
-mask holds it; an entry no sampled client holds keeps its value.
+k inactive ones with the largest gradient magnitude (one batch, at the trained model);
+alpha_t = prune_rate · (1 + cos(pi t / T)) / 2. Prune-and-grow changes only the mask of
+the NEXT round: the client uploads its trained model w_i ⊙ m_i^old as trained, and a grown
+entry starts from the global value at the client's next download (m_i^new ⊙ w^{t'}).
+Server: every entry averaged over the sampled clients whose TRAINED mask m_i^old holds it;
+an entry no sampled client holds keeps its value.
 Personalized model of client i: m_i ⊙ w (the current global model under its mask).
 Sizes: a client deploys and each transfer carries the mask's nonzeros (FedSLR Table 2: half
 of FedAvg's parameters and communication at density 0.5; the mask's index cost is not counted).
@@ -70,7 +72,8 @@ class FedSpa(Algorithm):
         return s
 
     def prune_grow(self, i: int, state: torch.Tensor, t: int) -> None:
-        """Client i's mask update after training (in place on `state` and `masks[i]`)."""
+        """Client i's mask update after training, in place on `masks[i]` only (`state`, the
+        trained model, is read, not changed)."""
         rate = float(self.hp.prune_rate) * (1 + math.cos(math.pi * t / int(self.cfg.rounds))) / 2
         if rate <= 0:
             return
@@ -91,32 +94,30 @@ class FedSpa(Algorithm):
             )
             grow = torch.where(~mi, gi.abs(), torch.full_like(gi, -1.0)).topk(k).indices
             mi[drop] = False
-            wi[drop] = 0
             mi[grow] = True
-            wi[grow] = 0
 
     def round(self, t: int, clients: np.ndarray) -> dict:
         idx = torch.as_tensor(clients, device=self.device)
         P = self.engine.n_params
         res_states, losses = [], []
-        sent = self.masked(self.w.expand(len(clients), -1), self.masks[idx].float())
+        m_old = self.masks[idx].clone()  # [C, P] the masks the clients train with
+        sent = self.masked(self.w.expand(len(clients), -1), m_old.float())
         for c, i in enumerate(clients):
             i = int(i)
-            mask = self.masks[i]
-            res = self.local_train(sent[c], [i], t, trainable=mask)
-            s = res.states[0].clone()
-            self.prune_grow(i, s, t)
+            res = self.local_train(sent[c], [i], t, trainable=m_old[c])
+            s = res.states[0]
+            self.prune_grow(i, s, t)  # the next round's mask; s is uploaded as trained
             res_states.append(s)
             losses.append(res.loss[0])
         up = self.receive(torch.stack(res_states), clients, ref=self.w)
-        m = self.masks[idx].float()  # [C, P] the clients' new masks
+        m = m_old.float()  # [C, P] averaged over the masks the uploads were trained with
         cnt = m.sum(0)
         new = self.w.clone()
         avg = (up[:, :P] * m).sum(0) / cnt.clamp_min(1)
         new[:P] = torch.where(cnt > 0, avg, self.w[:P])
         new[P:] = up[:, P:].mean(0)
         self.w = new
-        nnz = int(self.masks[idx].sum()) + len(clients) * (self.engine.n_state - P)
+        nnz = int(m_old.sum()) + len(clients) * (self.engine.n_state - P)
         return {
             "train_loss": torch.stack(losses).mean(),
             "density": float(self.masks.float().mean()),
