@@ -127,6 +127,16 @@ def test_lg_fedavg_shares_only_the_head():
     assert not torch.equal(b0, b1)
 
 
+def test_lg_fedavg_head_is_the_uniform_mean_by_default():
+    """Both the FedSLR authors' train_LGFedAvg and pliang279/LG-FedAvg average the heads
+    uniformly; TinyFed's clients have 37 and 20 samples, so n_k / n would differ."""
+    algo, eng, fed = make_algo("lg_fedavg")
+    assert algo.hp.weighting == "uniform"
+    algo.round(0, np.array([0, 1]))
+    heads = algo.bodies[[0, 1]][:, algo.head_entries]  # the trained states' heads
+    assert torch.allclose(algo.head, heads.mean(0), atol=1e-7)
+
+
 def test_fedspa_masks_keep_their_density():
     algo, eng, fed = make_algo("fedspa", ["rounds=4"])
     before = algo.masks.clone()

@@ -5,12 +5,14 @@ Model = body (every parameter but the final classifier's, norm layers' affine pa
 included, as the authors' code) + head (the last Linear layer, `FedModel.head`). Client i
 keeps its body phi_i (local representation); the head h is global. Round t, each sampled
 client: E epochs of the run's optimizer on the whole model (phi_i, h^t); keeps phi_i,
-uploads its head h_i. Server: h^{t+1} = sum_i w_i h_i (w_i = n_i / n, or 1/C: `weighting`).
+uploads its head h_i. Server: h^{t+1} = sum_i w_i h_i (w_i = 1/C, the default, as both the
+FedSLR authors' train_LGFedAvg and pliang279/LG-FedAvg; or n_i / n: `weighting`).
 Personalized model of client i = (phi_i, h^t), its body with the current global head.
 Communication: the head alone, each way (FedSLR Table 2: 20 x 5,130 x 4 bytes on CIFAR-10).
 Buffers: kept local (part of the body).
-RECONSTRUCTION: the authors' runs start from a FedAvg-trained model; here every body starts
-from the common initialization (no FedAvg warm-up), as FedSLR's comparison does not say.
+Start: every body starts from the common initial model, no FedAvg warm-up. The LG-FedAvg
+authors' runs start from a FedAvg-trained model, but the FedSLR authors' train_LGFedAvg (the
+code behind FedSLR's Table 1) starts from the initial model, and so does this class.
 """
 
 from __future__ import annotations
