@@ -91,10 +91,34 @@ def test_rescaled_direction_is_a_common_descent_direction(case):
     L = torch.rand(m, generator=g) + 0.1
     gF = fedpg.fairness_row(L, gh, mu)
     Q = gh if gF is None else torch.cat([gh, gF[None]])
-    d, _ = fedpg.min_norm_direction(Q)
-    d, sigma = fedpg.rescale(d, Q, float(gh.mean(0).norm()))
+    d_old, _ = fedpg.min_norm_direction(Q)
+    target = float(gh.mean(0).norm())
+    d, sigma = fedpg.rescale(d_old, Q, target)
     assert float((Q.double() @ d.double()).min()) >= -1e-6
-    assert sigma > 0
+    # the min-norm point has Q d_old >= ||d_old||^2 > 0, so the full rescaling is feasible:
+    # ||d|| = ||mean gh|| exactly, along d_old, and sigma = ||d|| / ||d_old||
+    assert float(d.norm()) == pytest.approx(target, rel=1e-5)
+    assert sigma == pytest.approx(target / float(d_old.norm()), rel=1e-5)
+    assert torch.allclose(d, d_old * sigma, atol=1e-6)
+
+
+def test_rescale_halves_while_infeasible_then_falls_back_to_d_old():
+    d_old = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    # Q d_old = (1, -2e-7): target 8 gives min -1.6e-6 < -1e-6, halved once (4 > 2 ||d_old||)
+    # to -8e-7, feasible: d = 4 d_old
+    Q = torch.tensor([[1.0, 0.0], [-2e-7, 1.0]], dtype=torch.float64)
+    d, sigma = fedpg.rescale(d_old, Q, 8.0)
+    assert sigma == 4.0 and torch.equal(d, 4 * d_old)
+    # Q d_old = (1, -1e-5): 8 -> 4 -> 2 stay infeasible; at ||d|| <= 2 ||d_old|| d = d_old
+    Q = torch.tensor([[1.0, 0.0], [-1e-5, 1.0]], dtype=torch.float64)
+    d, sigma = fedpg.rescale(d_old, Q, 8.0)
+    assert sigma == 1.0 and torch.equal(d, d_old)
+    # a target of 1.5 ||d_old|| that is infeasible: straight back to d_old (no halving)
+    d, sigma = fedpg.rescale(d_old, Q, 1.5)
+    assert sigma == 1.0 and torch.equal(d, d_old)
+    # the factor form used by the algorithm agrees
+    assert fedpg.rescale_factor(np.array([1.0, -2e-7]), 1.0, 8.0) == (4.0, 4.0)
+    assert fedpg.rescale_factor(np.array([1.0, -1e-5]), 1.0, 8.0) == (1.0, 1.0)
 
 
 def test_normalize_drops_tiny_gradients_and_uses_the_mean_norm():
@@ -205,6 +229,55 @@ def test_line_search_falls_back_to_mean_decrease_then_smallest_mean():
     assert e == 1.0  # none decreased: the smallest mean loss
 
 
+def test_line_search_rejects_a_step_that_passes_every_L_i_but_not_F():
+    # unequal losses: at eta = 2 both losses fall enough (Armijo per client holds) but the
+    # spread grows, so F = -cos(L, 1) rises and the trial is rejected; at eta = 1 the
+    # losses even out and F falls: accepted
+    L0 = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    gd = torch.tensor([0.1, 0.1], dtype=torch.float64)
+    dF = float(fedpg.fairness_weights(L0) @ gd)
+    table = {2.0: [0.5, 1.9], 1.0: [0.8, 1.0], 0.5: [0.95, 1.95]}
+    beta = 1e-4
+    for e in (2.0, 1.0):
+        L = torch.tensor(table[e]).double()
+        assert bool((L0 - beta * e * gd >= L).all())  # every L_i passes Armijo
+    assert fedpg.fairness_value(torch.tensor(table[2.0])) > fedpg.fairness_value(L0)
+    tried = []
+
+    def loss_at(e):
+        tried.append(e)
+        return torch.tensor(table[e]).double()
+
+    e, n = fedpg.line_search(
+        loss_at, 1.0, s=1, sigma=1.0, shrink_ub=False, L0=L0, gd=gd, dF=dF, beta=beta
+    )
+    assert (e, n, tried) == (1.0, 2, [2.0, 1.0])
+
+
+def test_sfedpg_first_trial_is_eta_when_the_last_round_had_a_client_this_one_lacks(monkeypatch):
+    algo, eng, fed = make_algo("sfedpg", ["optim.lr_decay=0.9"])
+    firsts = []
+    real = fedpg.line_search
+
+    def spy(loss_at, eta, **kw):
+        calls = []
+
+        def rec(e):
+            calls.append(e)
+            return loss_at(e)
+
+        out = real(rec, eta, **kw)
+        firsts.append((eta, calls[0]))
+        return out
+
+    monkeypatch.setattr(fedpg, "line_search", spy)
+    algo.round(0, np.array([0, 1, 2]))  # S^{-1} empty: a subset, eta_ub = 2 eta
+    algo.round(1, np.array([0, 1]))  # client 2 was online at t = 0: eta_ub = eta
+    algo.round(2, np.array([0, 1]))  # S^1 = S^2: 2 eta again
+    assert [f for _, f in firsts] == pytest.approx([0.2, 0.1 * 0.9, 2 * 0.1 * 0.81])
+    assert [eta for eta, _ in firsts] == pytest.approx([0.1, 0.09, 0.081])
+
+
 @pytest.mark.parametrize("backend", ["sequential", "vmap"])
 def test_full_grads_equal_autograd_client_by_client(tiny_fed, backend):
     torch.manual_seed(0)
@@ -235,18 +308,80 @@ def test_qp_failure_falls_back_to_the_mean_with_one_warning(monkeypatch, caplog)
     assert sum("min-norm QP" in r.message for r in caplog.records) == 1
 
 
-def test_history_rounds_counted_and_comm_counts_line_search_queries():
+def _expected_round(algo, eng, t, clients, hist_rows=None):
+    """FedPG's round from the tested pieces: (w^{t+1} params, theta_i params [C, P])."""
+    P = eng.n_params
+    w = algo.w[:P].clone()
+    res = eng.full_grads(algo.w, clients)
+    keep, mu, gh = fedpg.normalize(res.grads)
+    assert bool(keep.all())
+    H = gh[:0] if hist_rows is None else mu * hist_rows
+    G = torch.cat([gh, H])
+    gF = fedpg.fairness_row(res.loss, gh, mu)
+    Q = G if gF is None else torch.cat([G, gF[None]])
+    d, _ = fedpg.min_norm_direction(Q)
+    d, _ = fedpg.rescale(d, Q, float(gh.mean(0).norm()))
+    r = fedpg.personal_coeffs(d, G, len(clients))
+    p = fedpg.personal_directions(d, gh, fedpg.apply_gamma(r, algo.hp.gamma, algo.hp.gamma_mode))
+    eta = algo.optim.lr_at(t)
+    return w - eta * d, w[None] - eta * p, res.grads / res.grads.norm(dim=1, keepdim=True)
+
+
+def test_fedpg_round_from_its_pieces_with_history_and_its_expiry():
+    algo, eng, fed = make_algo("fedpg", ["optim.lr_decay=0.9"])
+    P = eng.n_params
+    w1, theta, dirs = _expected_round(algo, eng, 0, [0, 1, 2])
+    info = algo.round(0, np.array([0, 1, 2]))
+    assert info["history_rounds"] == 0
+    assert torch.allclose(algo.w[:P], w1, atol=1e-6)
+    for i in range(3):
+        assert torch.allclose(algo.personal_state(i)[:P], theta[i], atol=1e-6)
+    assert not torch.allclose(theta[0], theta[1])
+    # t = 1, only client 0: M = 3 > 1, tau = 3; clients 1, 2 (seen at t = 0) add their stored
+    # directions rescaled to this round's mu; their thetas stay
+    w2, theta0, _ = _expected_round(algo, eng, 1, [0], hist_rows=dirs[1:])
+    info = algo.round(1, np.array([0]))
+    assert info["history_rounds"] == 1
+    assert torch.allclose(algo.w[:P], w2, atol=1e-6)
+    assert torch.allclose(algo.personal_state(0)[:P], theta0[0], atol=1e-6)
+    assert torch.allclose(algo.personal_state(1)[:P], theta[1], atol=1e-6)
+    # history lasts while t - t_j <= tau = 3: t = 2, 3 use it, t = 4 does not
+    for t, used in [(2, 2), (3, 3), (4, 3)]:
+        assert algo.round(t, np.array([0]))["history_rounds"] == used
+    # and without history the single online client's step is d = g_0 at the mean-gradient norm
+    w6, _, _ = _expected_round(algo, eng, 5, [0])
+    algo.round(5, np.array([0]))
+    assert torch.allclose(algo.w[:P], w6, atol=1e-6)
+
+
+def test_comm_counts_the_line_search_queries_of_the_online_clients(monkeypatch):
     algo, eng, fed = make_algo("sfedpg")
     algo.round(0, np.array([0, 1, 2]))
-    info = algo.round(1, np.array([0]))  # clients 1, 2 absent: tau = 3, both history rows
-    assert info["history_rounds"] == 1
-    q = info["line_search_queries"]
-    info = algo.round(2, np.array([0, 1]))
+    real_reports = algo.reports
+
+    def client_1_flat(t, clients):  # client 1 reports a zero gradient: dropped (step 2)
+        L, g, bufs, tl = real_reports(t, clients)
+        g = g.clone()
+        g[list(clients).index(1)] = 0
+        return L, g, bufs, tl
+
+    queried = []
+    real_full = eng.full_grads
+
+    def counting(states, clients, with_grad=True):
+        if not with_grad:
+            queried.append(len(clients))
+        return real_full(states, clients, with_grad=with_grad)
+
+    monkeypatch.setattr(algo, "reports", client_1_flat)
+    monkeypatch.setattr(eng, "full_grads", counting)
+    q = algo.counts[2].item()
+    info = algo.round(1, np.array([0, 1, 2]))
     trials = info["line_search_queries"] - q
+    assert trials >= 1 and queried == [2] * trials  # the two online clients, per trial
     P, D = eng.n_params, eng.n_state
-    assert trials >= 1
-    assert info["bytes_up"] == 2 * (P + 1 + trials) * 4
-    assert info["bytes_down"] == 2 * (D + P + 1 + trials) * 4
+    assert info["bytes_up"] == (3 * (P + 1) + 2 * trials) * 4
+    assert info["bytes_down"] == (3 * (D + P + 1) + 2 * trials) * 4
 
 
 def test_pseudo_gradient_mode_runs_and_personal_models_differ():

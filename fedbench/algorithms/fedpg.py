@@ -42,8 +42,8 @@ the tables make every gamma row more personal than plain FedPG and more so as ga
 so gamma raises r_i: `gamma_mode: floor` r_i <- max(gamma, r_i) (default), `scale`
 min(1, gamma r_i), `cap` min(gamma, r_i); `gamma: null` (plain FedPG) leaves r_i as is.
 
-Communication per sampled client: up g_i (P) + L_i (1) + one loss per line-search trial;
-down w^t (D) + d (P) + r_i (1) + one step size per trial.
+Communication per sampled client: up g_i (P) + L_i (1), down w^t (D) + d (P) + r_i (1); per
+online client (the ones the line search queries) one step size down and one loss up per trial.
 Buffers: averaged (weights >= 0): the global buffers are the sample-weighted mean of the
 buffers the online clients' passes leave (none for the tables' MLP/CNN/NFResNet); personal
 models take the global buffers.
@@ -370,8 +370,9 @@ class FedPG(Algorithm):
         self.prev = self._mask(idx)
         self.timing["grads"] = t1 - t0
         C = len(clients)
-        up = C * (P + 1 + trials)
-        down = C * (D + P + 1 + trials)
+        # the line search queries the m online clients only: one step down, one loss up each
+        up = C * (P + 1) + m * trials
+        down = C * (D + P + 1) + m * trials
         return {
             "train_loss": train_loss,
             **self.comm(clients, up=up, down=down),
