@@ -35,14 +35,18 @@ def test_a1_on_models_replaces_malicious_parameters_with_gaussians_only():
     a = _attack("a1")
     clients = np.arange(10)
     up = torch.randn(10, 5000) + 3.0
+    before = up.clone()
     ref = torch.zeros(5000)
+    gen = torch.Generator().set_state(a._gen.get_state())
     out = a.apply(up, clients, ref=ref, kind="model", n_params=4000)
     bad, good = _split(a, clients)
     assert torch.equal(out[good], up[good])
     assert torch.equal(out[bad, 4000:], up[bad, 4000:])  # buffers untouched
     x = out[bad, :4000]
     assert abs(float(x.mean())) < 0.05 and abs(float(x.std()) - 1) < 0.05
-    assert torch.equal(up, up.clone())  # input not modified (clone semantics)
+    assert torch.equal(up, before)  # the input is not modified
+    # exactly the generator's next draws, one N(0, I) per malicious row in order
+    assert torch.equal(x, torch.stack([torch.randn(4000, generator=gen) for _ in bad]))
 
 
 def test_a2_on_models_scales_the_update_100_times():
@@ -62,12 +66,18 @@ def test_attacks_on_gradients():
     clients = np.arange(10)
     g = torch.randn(10, 50)
     ref = torch.randn(50)
+    before = g.clone()
     a = _attack("a1", "scaled")
+    gen = torch.Generator().set_state(a._gen.get_state())
     out = a.apply(g, clients, ref=ref, kind="grad")
+    assert torch.equal(g, before)  # the input is not modified
     bad, good = _split(a, clients)
     assert torch.equal(out[good], g[good])
+    # (w - xi) / ||w - xi|| ||g_i||, xi the generator's next draw for each malicious row
+    for r in bad:
+        v = ref - torch.randn(50, generator=gen)
+        assert torch.allclose(out[r], v / v.norm() * g[r].norm(), rtol=1e-6, atol=1e-7)
     assert torch.allclose(out[bad].norm(dim=1), g[bad].norm(dim=1), rtol=1e-5)
-    assert not torch.allclose(out[bad], g[bad])
     raw = _attack("a1", "gaussian").apply(g, clients, ref=ref, kind="grad")
     assert torch.equal(raw[good], g[good])
     assert float(raw[bad].norm(dim=1).mean()) == pytest.approx(50**0.5, rel=0.35)
