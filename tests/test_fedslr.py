@@ -143,7 +143,12 @@ def test_memory_efficient_server_equals_per_client_form():
 
 
 def test_zero_penalties_reduce_to_feddyn_and_plain_fusion_sgd():
-    extra = ["algo.rank_penalty=0", "algo.sparse_penalty=0", "optim.weight_decay=0.01"]
+    extra = [
+        "algo.rank_penalty=0",
+        "algo.sparse_penalty=0",
+        "optim.weight_decay=0.01",
+        "algo.fusion_weight_decay=0.01",
+    ]
     slr, eng, fed = make_algo("fedslr", extra)
     dyn, _, _ = make_algo("feddyn", ["optim.weight_decay=0.01"], fed=fed)
     for t, clients in enumerate([[0, 2], [1], [0, 1, 2]]):
@@ -188,6 +193,135 @@ def test_p_init_and_sparsity():
     assert torch.allclose(algo.personal_states()[0], s)
 
 
+def test_phase2_one_batch_by_hand():
+    """One Phase II batch by hand: p' = soft_threshold(p - lr (g + wd_f p), lr lambda_s), g
+    the autograd gradient of the cross-entropy at theta^t + p, wd_f = fusion_weight_decay
+    (1e-3 by default, NOT the run's optim.weight_decay)."""
+    algo, eng, fed = make_algo(
+        "fedslr", ["algo.sparse_penalty=0.3", "optim.weight_decay=0.05"], lr=0.1
+    )
+    assert algo.hp.fusion_weight_decay == 1e-3
+    P = eng.n_params
+    x, y = fed.batch(fed.train_idx[0][:8])
+    eng.batches = lambda *a, **kw: iter([(x, y)])  # one batch
+    base = algo.theta.clone()
+    p = algo.p[0].clone()
+    model = algo.model_fn()
+    state = base.clone()
+    state[:P] += p
+    eng.spec.load_into(model, state)
+    params = [q for _, q in model.named_parameters()]
+    loss = nn.functional.cross_entropy(model(x), y)
+    g = torch.cat([q.reshape(-1) for q in torch.autograd.grad(loss, params)])
+    lr, wd, lam = 0.1, 1e-3, 0.3
+    v = p - lr * (g + wd * p)
+    expect = torch.sign(v) * (v.abs() - lr * lam).clamp_min(0)
+    assert (expect == 0).any() and (expect != 0).any()  # the threshold acts, not on all
+    algo.fusion(0, base, 0)
+    assert torch.allclose(algo.p[0], expect, atol=1e-7, rtol=0)
+    assert torch.equal(algo.p[0] == 0, expect == 0)
+    assert int(algo.p_nnz[0]) == int((expect != 0).sum())
+
+
+class ConvGN(nn.Module):
+    """Conv -> GroupNorm -> Linear, all with biases, on 3x6x6 inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.norm = nn.GroupNorm(2, 4)
+        self.fc = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.norm(self.conv(x.view(-1, 3, 6, 6)))).flatten(1))
+
+
+def test_p_init_copy_on_conv_groupnorm():
+    """copy: every Conv/Linear tensor's p (biases too) is the initial weights; the norm
+    layers' p is 0."""
+    from conftest import TinyFed, compose
+    from fedbench.engine import Engine
+
+    fed = TinyFed(dim=3 * 6 * 6)
+    cfg = compose(["algo=fedslr", "batch_size=8"])
+    torch.manual_seed(0)
+    eng = Engine(fed, ConvGN(), device="cpu")
+    algo = FedSLR(cfg, fed, eng, ConvGN)
+    init = eng.initial_state()
+    seen = set()
+    for e in eng.spec.params:
+        sl = slice(e.start, e.stop)
+        for i in range(fed.num_clients):
+            if e.name.startswith("norm."):
+                assert not algo.p[i, sl].any(), e.name
+            else:
+                assert torch.equal(algo.p[i, sl], init[sl]), e.name
+        seen.add(e.name)
+    assert seen == {"conv.weight", "conv.bias", "norm.weight", "norm.bias", "fc.weight", "fc.bias"}
+    assert algo.p_nnz.tolist() == [int((algo.p[0] != 0).sum())] * fed.num_clients
+
+
+def test_server_prox_threshold_is_rank_penalty_over_alpha():
+    """theta^{t+1}'s singular values are z's minus rank_penalty / alpha, clamped at 0, per
+    matrix layer (alpha = 0.1, rank_penalty = 0.03: tau = 0.3, not 0.03 or 0.003)."""
+    algo, eng, fed = make_algo("fedslr", ["algo.alpha=0.1", "algo.rank_penalty=0.03"])
+    zs = []
+    orig = algo.server_average
+
+    def spy(x):
+        z = orig(x)
+        zs.append(z.clone())
+        return z
+
+    algo.server_average = spy
+    algo.round(0, np.array([0, 1, 2]))
+    z, theta = zs[0], algo.theta
+    dropped = False
+    for e in eng.spec.params:
+        a, b = z[e.start : e.stop].view(e.shape), theta[e.start : e.stop].view(e.shape)
+        if len(e.shape) < 2:
+            assert torch.equal(a, b)
+            continue
+        s, s2 = torch.linalg.svdvals(to_matrix(a)), torch.linalg.svdvals(to_matrix(b))
+        assert torch.allclose(s2, (s - 0.03 / 0.1).clamp_min(0), atol=1e-5), e.name
+        dropped |= bool((s < 0.3).any())
+    assert dropped  # some singular value went to 0
+
+
+def test_bytes_down_is_the_factorized_gkr_at_the_rounds_start():
+    """bytes_down = 4 C (sum over matrices of min(r (m + n), m n) at the ranks theta^t had
+    when sent + the 1-D tensors + the buffers), by hand; bytes_up = 4 C D."""
+    algo, eng, fed = make_algo("fedslr", ["algo.rank_penalty=0.03"])
+    spec, D, P = eng.spec, eng.n_state, eng.n_params
+    sizes = {e.name: tuple(e.shape) for e in spec.params}
+    n_1d = sum(e.stop - e.start for e in spec.params if len(e.shape) < 2)
+    history = []
+    for t, clients in enumerate([[0, 1, 2], [0, 2], [1]]):
+        start = {r.name: r.rank for r in algo.ranks}
+        info = algo.round(t, np.array(clients))
+        history.append((start, {r.name: r.rank for r in algo.ranks}))
+        gkr = n_1d
+        for name, r in start.items():
+            m, n = sizes[name]  # the MLP's Linear weights: (out, in)
+            gkr += min(r * (m + n), m * n)
+        C = len(clients)
+        assert info["bytes_down"] == 4 * C * (gkr + D - P), t
+        assert info["bytes_up"] == 4 * C * D
+    # the ranks moved during a round, so start and end ranks give different sizes
+    assert any(a != b for a, b in history)
+
+
+def test_nnz_count_tracks_p_through_rounds():
+    algo, eng, fed = make_algo("fedslr", ["algo.sparse_penalty=0.5"])
+    for t, clients in enumerate([[0, 1], [2], [1, 2]]):
+        info = algo.round(t, np.array(clients))
+        nnz = (algo.p != 0).sum(1)
+        assert torch.equal(algo.p_nnz.cpu(), nnz.cpu()), t
+        gkr = info["gkr_params"]
+        assert info["mixed_params"] == pytest.approx(gkr + float(nnz.float().mean()))
+        assert info["p_density"] == pytest.approx(float(nnz.float().mean()) / eng.n_params)
+
+
 def test_checkpoint_round_trip():
     algo, eng, fed = make_algo("fedslr", ["algo.rank_penalty=0.002"])
     algo.round(0, np.array([0, 2]))
@@ -198,6 +332,7 @@ def test_checkpoint_round_trip():
     other.load_state_dict(state)
     algo.round(1, np.array([1, 2]))
     other.round(1, np.array([1, 2]))
+    assert torch.equal(algo.p_nnz.cpu(), other.p_nnz.cpu())
     for k in ("theta", "lam", "h", "p"):
         assert torch.allclose(getattr(algo, k), getattr(other, k), atol=1e-6), k
 

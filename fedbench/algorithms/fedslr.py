@@ -20,15 +20,17 @@ is in tests/test_fedslr.py, which proves the two identical.
 
 Phase II (the sparse component; Algorithm 2). Right after Phase I, each sampled client,
 `fusion_epochs` (1) epochs with w = theta^t frozen, per batch (plain SGD at the round's lr)
-    p <- p - eta_t (grad_p f_i(theta^t + p) + wd p);  p <- sign(p) max(|p| - eta_t lambda_s, 0)
-lambda_s = sparse_penalty = 1e-3. p_init: `copy` (the authors' code) starts the p of every
+    p <- p - eta_t (grad_p f_i(theta^t + p) + wd_f p);  p <- sign(p) max(|p| - eta_t lambda_s, 0)
+lambda_s = sparse_penalty = 1e-3; wd_f = `fusion_weight_decay` = 1e-3 (the spec's "+ 1e-3 p",
+the authors' finetune default), whatever the run's optim.weight_decay. p_init: `copy` (the authors' code) starts the p of every
 Conv/Linear tensor (biases included) as a copy of the initial weights and the norm layers'
 p at zero; `zero` starts every p at zero.
 
 Reported: the GKR theta (global) and theta + p_i (personal, the mixed model), both with
 the current theta as the authors' evaluation. Sizes (`model_size`, metrics columns): the
 GKR sent factorized, per layer min(rank (m + n), m n) + the 1-D tensors; the mixed model
-GKR + nonzeros of p_i (mean over clients); p's density; each matrix layer's rank
+GKR + nonzeros of p_i (mean over clients; an [N] count of p_i's nonzeros is kept, updated
+after each client's Phase II and checkpointed, so no [N, P] mask is built); p's density; each matrix layer's rank
 (`rank.<parameter>`). Communication: uplink x_i (dense), downlink the GKR factorized.
 Buffers: averaged (weights >= 0) in the GKR; the mixed model uses the GKR's.
 RECONSTRUCTION: the paper's equations are lost in its text; the updates above follow the
@@ -64,6 +66,7 @@ class FedSLRParams(FedDynParams):
     rank_penalty: float = nonneg()
     sparse_penalty: float = nonneg()
     fusion_epochs: int = positive()
+    fusion_weight_decay: float = nonneg()
     p_init: Literal["copy", "zero"]
     prox_solver: Literal["svd", "svd64", "gram"]
 
@@ -75,7 +78,7 @@ class FedSLR(FedDyn):
     has_personal = True
     has_global = True
     attackable = True
-    state_keys = ("theta", "lam", "h", "p", "ranks")
+    state_keys = ("theta", "lam", "h", "p", "p_nnz", "ranks")
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
@@ -85,6 +88,7 @@ class FedSLR(FedDyn):
         if self.hp.p_init == "copy":
             p0[self.dense_layer_mask()] = self.theta[:P][self.dense_layer_mask()]
         self.p = p0.repeat(self.N, 1)  # [N, P] the clients' sparse components
+        self.p_nnz = torch.full((self.N,), int((p0 != 0).sum()), dtype=torch.long)  # [N]
         self.ranks = [
             LayerRank(e.name, *matrix_shape(e.shape), min(matrix_shape(e.shape)))
             for e in matrix_entries(engine.spec)
@@ -105,7 +109,7 @@ class FedSLR(FedDyn):
         """Client i's p by proximal SGD on f_i(base + p), base frozen; the mean loss."""
         eng, P = self.engine, self.engine.n_params
         lr = self.optim.lr_at(t)
-        wd = self.optim.weight_decay
+        wd = float(self.hp.fusion_weight_decay)
         thr = lr * float(self.hp.sparse_penalty)
         p = self.p[i].clone()
         state = base.clone()
@@ -120,6 +124,7 @@ class FedSLR(FedDyn):
                 p = soft_threshold(p, thr)
             losses.append(loss)
         self.p[i] = p
+        self.p_nnz[i] = int((p != 0).sum())
         return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
 
     # ------------------------------------------------------------------ the contract
@@ -145,7 +150,7 @@ class FedSLR(FedDyn):
         }
 
     def size_diagnostics(self) -> dict:
-        nnz = (self.p != 0).sum(1).float()  # [N]
+        nnz = self.p_nnz.float()  # [N] nonzeros of each p_i
         P = self.engine.n_params
         gkr = factorized_params(self.engine.spec, self.ranks)
         out = {
