@@ -22,16 +22,17 @@ Phase II (the sparse component; Algorithm 2). Right after Phase I, each sampled 
 `fusion_epochs` (1) epochs with w = theta^t frozen, per batch (plain SGD at the round's lr)
     p <- p - eta_t (grad_p f_i(theta^t + p) + wd_f p);  p <- sign(p) max(|p| - eta_t lambda_s, 0)
 lambda_s = sparse_penalty = 1e-3; wd_f = `fusion_weight_decay` = 1e-3 (the spec's "+ 1e-3 p",
-the authors' finetune default), whatever the run's optim.weight_decay. p_init: `copy` (the authors' code) starts the p of every
-Conv/Linear tensor (biases included) as a copy of the initial weights and the norm layers'
-p at zero; `zero` starts every p at zero.
+the authors' finetune default), whatever the run's optim.weight_decay. p_init: `copy` (the
+authors' code) starts the p of every Conv/Linear tensor (biases included) as a copy of the
+initial weights and the norm layers' p at zero; `zero` starts every p at zero.
 
 Reported: the GKR theta (global) and theta + p_i (personal, the mixed model), both with
 the current theta as the authors' evaluation. Sizes (`model_size`, metrics columns): the
 GKR sent factorized, per layer min(rank (m + n), m n) + the 1-D tensors; the mixed model
 GKR + nonzeros of p_i (mean over clients; an [N] count of p_i's nonzeros is kept, updated
-after each client's Phase II and checkpointed, so no [N, P] mask is built); p's density; each matrix layer's rank
-(`rank.<parameter>`). Communication: uplink x_i (dense), downlink the GKR factorized.
+after each client's Phase II and checkpointed, so no [N, P] mask is built); p's density;
+each matrix layer's rank (`rank.<parameter>`). Communication: uplink x_i (dense), downlink
+the GKR factorized.
 Buffers: averaged (weights >= 0) in the GKR; the mixed model uses the GKR's.
 RECONSTRUCTION: the paper's equations are lost in its text; the updates above follow the
 spec, which restores them from Algorithms 1-3 and the authors' code. Momentum in Phase II
