@@ -113,6 +113,50 @@ def test_apfl_fixed_alpha_stays_and_adaptive_alpha_moves():
     assert not torch.allclose(a, torch.tensor(0.1)) and (a >= 0).all() and (a <= 1).all()
 
 
+def test_apfl_personal_model_has_v_s_own_batchnorm_statistics():
+    from torch import nn
+
+    from conftest import TinyFed, compose
+    from fedbench.algorithms.apfl import APFL
+    from fedbench.engine import Engine
+    from fedbench.models.base import FedModel
+
+    def bn_mlp():
+        return FedModel(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU()), 8, 3)
+
+    fed = TinyFed()
+    cfg = compose(["algo=apfl", "batch_size=8", "optim.lr=0.1", "algo.alpha=0.5"])
+    torch.manual_seed(0)
+    eng = Engine(fed, bn_mlp(), device="cpu")
+    algo = APFL(cfg, fed, eng, bn_mlp)
+    P, D = eng.n_params, eng.n_state
+    init = algo.rows[0].clone()
+    for t in range(2):
+        algo.round(t, np.array([0, 1, 2]))
+    for i in range(3):
+        row = algo.rows[i]
+        v_buf, w_buf = row[algo.vcols[P:]], row[algo.wcols[P:]]
+        # theta's forwards moved v's statistics (from mean 0 / var 1), separately from w's
+        assert not torch.allclose(v_buf, init[algo.vcols[P:]])
+        assert not torch.allclose(v_buf, w_buf)
+        assert torch.isfinite(v_buf).all()
+        var = v_buf[8:16]  # BatchNorm1d(8): running_mean, running_var
+        assert (var > 0).all()
+        # the personalized model deploys v_i's statistics with the mixed parameters
+        a = row[algo.acol]
+        out = algo.personal_state(i)
+        assert out.shape == (D,) and torch.equal(out[P:], v_buf)
+        exp = a * row[algo.vcols[:P]] + (1 - a) * row[algo.wcols[:P]]
+        assert torch.allclose(out[:P], exp)
+
+
+def test_apfl_model_size_counts_v_and_w():
+    algo, eng, fed = make_algo("apfl")
+    size = algo.model_size()
+    assert size["params_personal"] == 2 * eng.n_params
+    assert size["params_global"] == eng.n_params
+
+
 def test_splitgp_server_head_is_averaged_and_bodies_mixed(monkeypatch):
     from fedbench.algorithms import splitgp
 

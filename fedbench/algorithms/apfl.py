@@ -16,8 +16,8 @@ Defaults: alpha 0.5 fixed (spec); the FedPG authors start at 0.1 and adapt it (F
 
 Personalized model: alpha_i v_i + (1 - alpha_i) w_i with the client's w_i after its last
 local training; a client never sampled deploys w. Global model: w.
-Buffers: w's averaged (weights >= 0) with w; v's kept local; the personalized model uses the
-client's w_i buffers.
+Buffers: w's averaged (weights >= 0) with w (updated by w's forwards); v's kept local, updated
+by theta's forwards, and the personalized model theta_i uses them (its own statistics).
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ class APFLModel(nn.Module):
 
 
 def apfl_loss(model: APFLModel, x, y, c, adaptive: bool) -> torch.Tensor:
-    """CE of w + CE of theta = alpha v + (1 - alpha) w.detach() (alpha detached if fixed)."""
+    """CE of w + CE of theta = alpha v + (1 - alpha) w.detach() (alpha detached if fixed);
+    theta's forward uses (and in training mode updates) v's buffers."""
     a = model.alpha
     a = a + (a.clamp(0.0, 1.0) - a).detach()
     if not adaptive:
@@ -70,6 +71,8 @@ def apfl_loss(model: APFLModel, x, y, c, adaptive: bool) -> torch.Tensor:
         n: a * pv + (1 - a) * pw.detach()
         for (n, pw), (_, pv) in zip(model.w.named_parameters(), model.v.named_parameters())
     }
+    # theta's forward runs on v's buffers (BatchNorm statistics update v's in place, not w's)
+    mixed.update(dict(model.v.named_buffers()))
     return F.cross_entropy(model.w(x), y) + F.cross_entropy(
         functional_call(model.w, mixed, (x,)), y
     )
@@ -133,12 +136,19 @@ class APFL(WithTrainer, Algorithm):
         row = self.rows[i]
         P = self.engine.n_params
         a = row[self.acol]
-        out = row[self.wcols].clone()
-        out[:P] = a * row[self.vcols[:P]] + (1 - a) * out[:P]
+        out = row[self.vcols].clone()  # v_i's buffers: the statistics of theta's forwards
+        out[:P] = a * out[:P] + (1 - a) * row[self.wcols[:P]]
         return out
 
     def personal_states(self) -> torch.Tensor:
         return torch.stack([self.personal_state(i) for i in range(self.N)])
+
+    def model_size(self) -> dict[str, float]:
+        """A client deploys v_i and w (theta_i = alpha v_i + (1 - alpha) w_i needs both): 2P,
+        FedSLR Table 2's APFL count (22.35M for ResNet-18)."""
+        out = super().model_size()
+        out["params_personal"] = 2 * self.engine.n_params
+        return out
 
     def global_state(self) -> torch.Tensor:
         return self.w
