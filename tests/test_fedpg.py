@@ -447,3 +447,25 @@ def test_reproduce_script_cells_are_one_cell_commands():
         5,
         50,
     )
+
+
+def test_qp_non_optimal_status_accepted_only_with_a_small_kkt_gap(monkeypatch):
+    from cvxopt import matrix, solvers
+
+    from fedbench.algorithms._qp import kkt_gap
+
+    K = np.array([[2.0, 0.5, 0.0], [0.5, 1.0, 0.2], [0.0, 0.2, 3.0]])
+    best = min_norm_weights(K)
+    lo, hi = np.zeros(3), np.ones(3)
+    assert kkt_gap(K / 3.0, best, lo, hi) < 1e-9
+    # feasible, better than every vertex (value 0.247 < 1/3 on K / 3) yet not optimal (0.242)
+    bad = np.array([0.3, 0.5, 0.2])
+    assert bad @ K @ bad / 3 < np.diag(K).min() / 3
+    assert kkt_gap(K / 3.0, bad, lo, hi) > 1e-2
+    for x, ok in [(bad, False), (best, True)]:
+        answer = {"status": "unknown", "x": matrix(x)}
+        monkeypatch.setattr(solvers, "qp", lambda *a, answer=answer, **kw: answer)
+        lam = min_norm_weights(K)
+        assert (lam is not None) == ok
+        if ok:
+            assert np.allclose(lam, best, atol=1e-9)

@@ -7,8 +7,9 @@ float64 from the Gram matrix K, so the problem's size is the number of rows of Q
 history, the fairness row), never the number of parameters. `gram` builds K from rows [m, P]
 in float64 in column chunks.
 
-A solve that fails (cvxopt error, status not optimal with an infeasible or non-finite
-answer, a K that is not finite) returns None: the caller falls back to its mean and counts
+A solve that fails (cvxopt error, an infeasible or non-finite answer, a status other than
+optimal whose answer's KKT (duality) gap on the scaled K exceeds `gap_tol`, a K that is not
+finite) returns None: the caller falls back to its mean and counts
 the round. cvxopt's answer is cleaned to the exact constraint set (clipped to the bounds,
 renormalized).
 """
@@ -34,6 +35,7 @@ def min_norm_weights(
     lo: np.ndarray | None = None,
     hi: np.ndarray | None = None,
     ridge: float = 1e-10,
+    gap_tol: float = 1e-6,
 ) -> np.ndarray | None:
     """argmin 1/2 l^T K l over the simplex (intersected with lo <= l <= hi when given);
     None when the solve fails or the box does not meet the simplex."""
@@ -75,13 +77,26 @@ def min_norm_weights(
     tol = 1e-5
     if np.any(lam < lo - tol) or np.any(lam > hi + tol) or abs(lam.sum() - 1) > tol:
         return None
-    if sol["status"] != "optimal":
-        # an unfinished solve is accepted only if it is (nearly) as good as the best vertex
-        best = float(np.min(np.diag(Ks))) if lo.sum() == 0 and hi.min() >= 1 else np.inf
-        if float(lam @ Ks @ lam) > best + 1e-6:
-            return None
-    lam = np.clip(lam, lo, hi)
-    return project_capped_simplex(lam, lo, hi)
+    lam = project_capped_simplex(np.clip(lam, lo, hi), lo, hi)
+    if sol["status"] != "optimal" and kkt_gap(Ks, lam, lo, hi) > gap_tol:
+        return None  # an unfinished solve is accepted only when it is (nearly) optimal
+    return lam
+
+
+def kkt_gap(K: np.ndarray, lam: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> float:
+    """The duality (Frank-Wolfe) gap of a feasible lam for min 1/2 l^T K l over the capped
+    simplex: g.lam - min_s g.s with g = K lam; >= 1/2 lam^T K lam - the optimum, 0 exactly at
+    a KKT point. The minimizing s fills 1 - sum lo from lo upward in increasing g."""
+    g = K @ lam
+    s = lo.copy()
+    left = 1.0 - float(lo.sum())
+    for i in np.argsort(g):
+        take = min(left, float(hi[i] - lo[i]))
+        s[i] += take
+        left -= take
+        if left <= 0:
+            break
+    return float(g @ lam - g @ s)
 
 
 def project_capped_simplex(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
