@@ -156,7 +156,7 @@ def test_batchnorm_statistics_stay_sane(tmp_path, algo):
     g = a.global_model() if a.has_global else None
     if g is not None:
         check_buffers(g, f"{algo} global model")
-    kind = "personal" if "personal" in s["final"] else "global"
+    kind = "personal" if s["final"].get("personal") else "global"
     acc = s["final"][kind]["L"]["avg"]
     print(f"ACC {algo} {acc:.3f}")
     assert not math.isnan(acc) and acc > ABOVE_CHANCE, f"{algo}: {kind} accuracy {acc}"
