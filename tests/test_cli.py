@@ -182,7 +182,9 @@ def first_job(args: list[str]) -> list[str]:
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("script", ["reproduce_diversifed.sh", "reproduce_plgu.sh"])
+@pytest.mark.parametrize(
+    "script", ["reproduce_diversifed.sh", "reproduce_plgu.sh", "reproduce_fedslr.sh"]
+)
 def test_table_scripts_only_sweep(script):
     cells = script_cells(script)
     assert len(cells) > 40
@@ -208,6 +210,9 @@ def test_table_scripts_only_sweep(script):
         ("reproduce_diversifed.sh", "table1_cifar10", "diversifed_table1_cifar10", "fedrod", []),
         ("reproduce_plgu.sh", "t2_tinyimagenet", "plgu_t2_tinyimagenet", "pfedhn", []),
         ("reproduce_plgu.sh", "t3", "plgu_t3_cifar10", "plgu_ghn", ["local_epochs=1"]),
+        ("reproduce_fedslr.sh", "t1_cifar10_dir", "fedslr_t1_cifar10_dir", "ditto", []),
+        ("reproduce_fedslr.sh", "t1_cifar100_iid", "fedslr_t1_cifar100_iid", "perfedavg", []),
+        ("reproduce_fedslr.sh", "t1_tinyimagenet_dir", "fedslr_t1_tinyimagenet_dir", "fedslr", []),
     ],
 )
 def test_one_cell_command_is_the_table_scripts_run(script, table, preset, algo, cell):
@@ -287,7 +292,9 @@ def test_layerwise_preset_scores_two_layers():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["reproduce_diversifed.sh", "reproduce_plgu.sh"])
+@pytest.mark.parametrize(
+    "script", ["reproduce_diversifed.sh", "reproduce_plgu.sh", "reproduce_fedslr.sh"]
+)
 def test_every_table_cell_passes_the_checks(script):
     """Every cell of the tables composes and passes the Params schema (no key of one method
     leaks into another's config)."""

@@ -193,6 +193,34 @@ def test_fedspa_prune_grow_changes_only_the_next_mask():
     assert torch.equal(algo.w[:P][dropped_only0], up[0, :P][dropped_only0])
 
 
+def test_fedslr_paper_settings_come_with_the_preset():
+    """`paper: fedslr` (the fedslr_* presets) brings FedSLR's appendix settings of single
+    methods (conf/paper_algo/fedslr/); without the preset the algorithms' defaults apply."""
+    from omegaconf import OmegaConf
+
+    def algo(*over):
+        return OmegaConf.to_container(compose(list(over)).algo, resolve=True)
+
+    for preset in ("fedslr_t1_cifar10_dir", "fedslr_t1_tinyimagenet_iid", "fedslr_fmnist_dir"):
+        p = f"+experiment={preset}"
+        d = algo(p, "algo=ditto")
+        assert (d["lam"], d["personal_epochs"]) == (0.1, 1)  # fusion 1 epoch, global E = 2
+        d = algo(p, "algo=perfedavg")
+        assert (d["alpha"], d["beta"]) == (0.01, 0.001)
+        d = algo(p, "algo=apfl")
+        assert (d["alpha"], d["adaptive"]) == (0.5, False)
+        assert algo(p, "algo=feddyn")["alpha"] == 0.1
+        assert algo(p, "algo=fedspa")["density"] == 0.5
+        assert algo(p, "algo=lg_fedavg")["weighting"] == "uniform"
+        d = algo(p, "algo=fedslr")
+        assert (d["rank_penalty"], d["sparse_penalty"], d["fusion_epochs"]) == (1e-4, 1e-3, 1)
+        assert compose([p]).local_epochs == 2
+    # without a FedSLR preset, Ditto's personal phase is E epochs (its own default)
+    assert algo("algo=ditto", "local_epochs=3")["personal_epochs"] == 3
+    # another paper's preset does not pick FedSLR's settings
+    assert algo("+experiment=fedpg_table1_cifar10", "algo=apfl")["adaptive"] is True
+
+
 # ------------------------------------------------------------------ real FMNIST
 # 20 clients pat-2 (2 classes each), MLP 784-64-10, 5 rounds at lr 0.05. Thresholds: the
 # global model over 10 classes (chance 0.1) and the personal one on a client's own 2
