@@ -71,6 +71,7 @@ def reg_schedule(r: int, L: int, kind: str = "exp") -> float:
 @ALGORITHMS.register("apple")
 class APPLE(Algorithm):
     name = "apple"
+    personal_rows = "theta"
     Params = APPLEParams
     attackable = True
     state_keys = ("cores", "p", "theta", "opt")
@@ -121,6 +122,3 @@ class APPLE(Algorithm):
         D, C = self.engine.n_state, len(clients)
         comm = self.comm(clients, up=C * D, down=C * self.N * D)
         return {"train_loss": torch.stack(losses).mean(), **comm}
-
-    def personal_states(self) -> torch.Tensor:
-        return self.theta

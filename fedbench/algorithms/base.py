@@ -41,6 +41,7 @@ class Algorithm:
     extra_kinds: ClassVar[tuple[str, ...]] = ()
     Params: ClassVar[type | None] = None  # every algorithm declares one (tests/test_params.py)
     attackable: ClassVar[bool] = False
+    personal_rows: ClassVar[str | None] = None  # a stored [N, D] attribute of deployed states
 
     def __init__(self, cfg, fed, engine: Engine, model_fn) -> None:
         self.cfg = cfg
@@ -106,15 +107,18 @@ class Algorithm:
 
     def personal_states(self) -> torch.Tensor | None:
         """[N, D]: what each client would deploy."""
-        return None
+        return None if self.personal_rows is None else getattr(self, self.personal_rows)
 
     def global_state(self) -> torch.Tensor | None:
         """[D]: the global model, for scheme-I algorithms."""
         return None
 
     def personal_state(self, i: int) -> torch.Tensor:
-        """[D]: client i's deployed model. Override where `personal_states` builds rows: an
-        evaluation reads one client at a time and must never build all N models."""
+        """[D]: client i's deployed model. An algorithm that stores every client's deployed
+        state as rows names them in `personal_rows`; one whose `personal_states` builds rows
+        overrides this: an evaluation reads one client at a time and never builds N models."""
+        if self.personal_rows is not None:
+            return getattr(self, self.personal_rows)[i]
         return self.personal_states()[i]
 
     def model_size(self) -> dict[str, float]:

@@ -94,6 +94,7 @@ def model_distance_loss(w: torch.Tensor, i: int, tau: float) -> torch.Tensor:
 @ALGORITHMS.register("diversifed")
 class DiversiFed(Algorithm):
     name = "diversifed"
+    personal_rows = "w"
     Params = DiversiFedParams
     attackable = True
     state_keys = ("w",)
@@ -125,6 +126,3 @@ class DiversiFed(Algorithm):
             down = None
         self.w[idx] = self.receive(res.states, clients, ref=start)
         return {"train_loss": res.loss.mean(), **self.comm(clients, down=down)}
-
-    def personal_states(self) -> torch.Tensor:
-        return self.w

@@ -61,6 +61,7 @@ def attention_weights(w: torch.Tensor, alpha_k: float, sigma: float) -> torch.Te
 @ALGORITHMS.register("fedamp")
 class FedAMP(Algorithm):
     name = "fedamp"
+    personal_rows = "w"
     Params = FedAMPParams
     attackable = True
     state_keys = ("w",)
@@ -88,6 +89,3 @@ class FedAMP(Algorithm):
         res = self.local_train(start, clients, t, terms=self.terms(u))
         self.w[idx] = self.receive(res.states, clients, ref=start)
         return {"train_loss": res.loss.mean(), **self.comm(clients)}
-
-    def personal_states(self) -> torch.Tensor:
-        return self.w

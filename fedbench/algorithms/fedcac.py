@@ -89,6 +89,7 @@ def collaborators(ov: torch.Tensor, t: int, beta: float) -> torch.Tensor:
 @ALGORITHMS.register("fedcac")
 class FedCAC(Algorithm):
     name = "fedcac"
+    personal_rows = "theta"
     Params = FedCACParams
     attackable = True
     has_global = True
@@ -120,9 +121,6 @@ class FedCAC(Algorithm):
             "collaborators": collab.sum(1).mean(),
             **self.comm(clients),
         }
-
-    def personal_states(self) -> torch.Tensor:
-        return self.theta
 
     def global_state(self) -> torch.Tensor:
         return self.w

@@ -52,6 +52,7 @@ class FedFomoParams:
 @ALGORITHMS.register("fedfomo")
 class FedFomo(WithTrainer, Algorithm):
     name = "fedfomo"
+    personal_rows = "theta"
     Params = FedFomoParams
     attackable = True
     state_keys = ("theta", "P", "online")
@@ -115,6 +116,3 @@ class FedFomo(WithTrainer, Algorithm):
         self.online = idx
         down = self.engine.n_state * sum(len(c) for c in cands)
         return {"train_loss": res.loss.mean(), **self.comm(clients, down=down)}
-
-    def personal_states(self) -> torch.Tensor:
-        return self.theta

@@ -48,6 +48,7 @@ PERSONAL_SALT = 1  # the personalization step's batch stream, apart from trainin
 @ALGORITHMS.register("perfedavg")
 class PerFedAvg(Algorithm):
     name = "perfedavg"
+    personal_rows = "theta"
     Params = PerFedAvgParams
     attackable = True
     has_global = True
@@ -96,9 +97,6 @@ class PerFedAvg(Algorithm):
         self.w = self.weights(clients, self.hp.weighting) @ up
         self.theta = self.personalize(t)
         return {"train_loss": torch.stack(losses).mean(), **self.comm(clients)}
-
-    def personal_states(self) -> torch.Tensor:
-        return self.theta
 
     def global_state(self) -> torch.Tensor:
         return self.w
