@@ -145,10 +145,22 @@ def run_bn(tmp_path, algo: str, extra=(), rounds: int = 2):
     return run.run(), run
 
 
+# Per-algorithm budgets where the common one cannot learn. FedPG and S-FedPG take one server
+# step of size lr per round along the normalized min-norm direction (the paper's method, full
+# gradients): Adam's 1e-3 for 2 rounds leaves them at chance (0.098). They get plain SGD at
+# the FedPG presets' lr grid top (0.1, conf/experiment/fedpg_common.yaml sweeps 0.01-0.1)
+# and 10 rounds (measured L-acc. 0.81 / 0.89); the threshold stays ABOVE_CHANCE.
+BUDGETS: dict[str, tuple[list[str], int]] = {
+    "fedpg": (["optim.name=sgd", "optim.lr=0.1"], 10),
+    "sfedpg": (["optim.name=sgd", "optim.lr=0.1"], 10),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ALGORITHMS.names())
 def test_batchnorm_statistics_stay_sane(tmp_path, algo):
-    s, run = run_bn(tmp_path, algo)
+    extra, rounds = BUDGETS.get(algo, ([], 2))
+    s, run = run_bn(tmp_path, algo, extra, rounds)
     a = run.algo
     if a.has_personal:
         for i in range(a.N):  # one model at a time (personal_state(i) inside)
