@@ -153,6 +153,8 @@ def run_bn(tmp_path, algo: str, extra=(), rounds: int = 2):
 BUDGETS: dict[str, tuple[list[str], int]] = {
     "fedpg": (["optim.name=sgd", "optim.lr=0.1"], 10),
     "sfedpg": (["optim.name=sgd", "optim.lr=0.1"], 10),
+    # SCAFFOLD's option II control variates are defined for SGD steps (Adam is refused).
+    "scaffold": (["optim.name=sgd", "optim.lr=0.05"], 2),
 }
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from conftest import compose, make_algo, run_small
 from fedbench.algorithms import ALGORITHMS
 from fedbench.engine import Engine
+from fedbench.errors import ConfigError
 
 
 class QuadFed:
@@ -238,3 +239,10 @@ def test_fedslr_paper_settings_come_with_the_preset():
 def test_learns_fmnist(tmp_path, name, kind, threshold):
     summary, _ = run_small(tmp_path, [f"algo={name}", "optim.lr=0.05"], rounds=5)
     assert summary["final"][kind]["L"]["avg"] > threshold
+
+
+@pytest.mark.quick
+def test_scaffold_refuses_adam():
+    """Option II's (x - y) / (K lr) is a mean gradient only for SGD steps."""
+    with pytest.raises(ConfigError, match="optim.name=adam"):
+        make_algo("scaffold", ["optim.name=adam"])

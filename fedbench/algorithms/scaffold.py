@@ -9,6 +9,10 @@ then option II (eq. 4): c_i+ = c_i - c + (x - y) / (K eta); uploads Delta y = y 
 Delta c = c_i+ - c_i. Server (Algorithm 1, lines 16-17), uniform means over S_t:
     x <- x + eta_g mean(Delta y),   c <- c + (|S| / N) mean(Delta c).
 eta_g = `global_lr` = 1. eta: the round's lr (K counts the client's own steps).
+Option II reads (x - y) / (K eta) as the client's mean gradient, which holds for SGD steps
+(with or without momentum) but not for Adam's normalized steps (there it is ~1 per entry
+whatever the gradient, and the correction swamps the gradient: chance accuracy on FMNIST),
+so `optim.name=adam` is refused.
 Reports the global model x (a global method: no personal rows are kept).
 Communication: x and c down, Delta y and Delta c up (twice FedAvg's, FedSLR Table 2).
 Buffers: averaged (weights >= 0): the new x's buffers are the mean of the clients'.
@@ -25,6 +29,7 @@ import torch
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.algorithms.params import positive
 from fedbench.engine.terms import correction
+from fedbench.errors import ConfigError
 
 
 @dataclass
@@ -43,6 +48,11 @@ class Scaffold(Algorithm):
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
+        if self.optim.name != "sgd":
+            raise ConfigError(
+                f"scaffold: option II control variates (x - y) / (K lr) assume SGD steps; "
+                f"optim.name={self.optim.name} is not supported (use optim.name=sgd)"
+            )
         P = engine.n_params
         self.x = engine.initial_state()  # [D] server model
         self.c = torch.zeros(P, device=self.device)  # [P] server control variate
