@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedbench.algorithms.params import check_params
 from fedbench.engine import Engine, OptimConfig, TrainResult
 from fedbench.registry import Registry
 
@@ -44,6 +45,7 @@ class Algorithm:
     personal_rows: ClassVar[str | None] = None  # a stored [N, D] attribute of deployed states
 
     def __init__(self, cfg, fed, engine: Engine, model_fn) -> None:
+        check_params(cfg.algo, self.Params, self.name)  # every way of building one checks
         self.cfg = cfg
         self.hp = cfg.algo
         self.fed = fed

@@ -43,10 +43,7 @@ from fedbench.algorithms.params import hp, nonneg, positive
 from fedbench.engine import ModelSpec, OptimConfig
 from fedbench.engine.optim import init_state, step_
 from fedbench.errors import ConfigError
-from fedbench.models.base import check_choice
 from fedbench.models.hypernet import GENERATE, HyperNetwork, hypernet_size, select_targets
-
-SERVER_UPDATES = ("sequential", "mean")
 
 
 def momentum() -> object:
@@ -95,7 +92,6 @@ class PFedHN(Algorithm):
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
         hn = self.hp.hypernet
-        check_choice("hypernet.server_update", hn.server_update, SERVER_UPDATES)
         if hn.spectral_norm:
             raise ConfigError("hypernet.spectral_norm=true is not implemented; use false")
         spec, model, dev = engine.spec, engine.model, self.device

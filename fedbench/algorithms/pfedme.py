@@ -33,7 +33,6 @@ import torch
 from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.algorithms.params import hp, nonneg, positive
-from fedbench.models.base import check_choice
 
 
 @dataclass
@@ -56,7 +55,6 @@ class PFedMe(Algorithm):
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
-        check_choice("pfedme.eval_model", self.hp.eval_model, ("theta", "local"))
         self.w = engine.initial_state()
         self.theta = self.w.repeat(self.N, 1)  # personalized models theta_i
         self.local = self.w.repeat(self.N, 1)  # local models w_i

@@ -69,9 +69,7 @@ from fedbench.engine.lwsam import (
     normalize_scores,
 )
 from fedbench.engine.optim import init_state, step_
-from fedbench.models.base import check_choice
 
-SCORE_NORMS = ("mean1", "sum1")
 Scores = Literal["eq6", "uniform"]
 ScoreNorm = Literal["mean1", "sum1"]
 
@@ -108,8 +106,6 @@ class PLGUGHNParams(PFedHNParams):
 
 def score_rule(hp) -> str:
     """The `normalize_scores` rule of a PLGU config: `scores` = eq6 | uniform, `score_norm`."""
-    check_choice("scores", hp.scores, ("eq6", "uniform"))
-    check_choice("score_norm", hp.score_norm, SCORE_NORMS)
     return "uniform" if hp.scores == "uniform" else hp.score_norm
 
 
@@ -124,9 +120,6 @@ class PLGULF(Algorithm):
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
         hp = self.hp
-        check_choice("d_counts", hp.d_counts, ("personal", "universal"))
-        check_choice("perturb", hp.perturb, ("universal", "all"))
-        check_choice("ascent_grad", hp.ascent_grad, ("personal", "universal"))
         self.rule = score_rule(hp)
         self.layers = LayerMap(engine.spec, engine.model.layers(), self.device)
         self.opt = ClientOptim(self.optim, self.N)
@@ -198,7 +191,6 @@ class PLGUGRep(FedRep):
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
-        check_choice("score_ref", self.hp.score_ref, ("this_step", "last_upload"))
         self.rule = score_rule(self.hp)
         names = set(engine.model.body_params())
         body = [layer for layer in engine.model.layers() if set(layer.params) <= names]
