@@ -161,3 +161,29 @@ class Algorithm:
         for k in self.state_keys:
             v = state[k]
             setattr(self, k, v.to(self.device) if isinstance(v, torch.Tensor) else v)
+
+
+class TrainedOrGlobal:
+    """Mixin for a global state `w` [D] plus, per client, the state it ended its last visit
+    with (`theta` [N, D]): the personalized model of FedAvg-like methods (specs/metrics.md);
+    a client never sampled deploys w. Call `init_rows()` once `w` is set."""
+
+    has_global: ClassVar[bool] = True
+
+    def init_rows(self) -> None:
+        self.theta = self.w.repeat(self.N, 1)
+        self.seen = torch.zeros(self.N, dtype=torch.bool, device=self.device)
+
+    def set_trained(self, idx: torch.Tensor, states: torch.Tensor) -> None:
+        """Clients `idx` deploy `states` [C, D] from now on."""
+        self.theta[idx] = states
+        self.seen[idx] = True
+
+    def personal_states(self) -> torch.Tensor:
+        return torch.where(self.seen[:, None], self.theta, self.w)
+
+    def personal_state(self, i: int) -> torch.Tensor:
+        return self.theta[i] if bool(self.seen[i]) else self.w
+
+    def global_state(self) -> torch.Tensor:
+        return self.w

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._steps import ClientOptim, grad_at
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, TrainedOrGlobal
 from fedbench.algorithms.params import Weighting, hp, nonneg
 from fedbench.engine import Proximal
 from fedbench.engine.optim import step_
@@ -38,10 +38,9 @@ class DittoParams:
 
 
 @ALGORITHMS.register("ditto")
-class Ditto(Algorithm):
+class Ditto(TrainedOrGlobal, Algorithm):
     name = "ditto"
     Params = DittoParams
-    has_global = True
     attackable = True
     state_keys = ("w", "theta", "seen", "opt")
 
@@ -57,8 +56,7 @@ class Ditto(Algorithm):
             )
         self.opt = ClientOptim(self.optim, self.N)
         self.w = engine.initial_state()
-        self.theta = self.w.repeat(self.N, 1)
-        self.seen = torch.zeros(self.N, dtype=torch.bool, device=self.device)
+        self.init_rows()
 
     def interleaved(self, i: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The authors' loop for client i: (theta_i, w_i, mean global loss)."""
@@ -95,17 +93,7 @@ class Ditto(Algorithm):
                 slot="personal",
             )
             theta, local, loss = pers.states, glob.states, glob.loss
-        self.theta[idx] = theta
-        self.seen[idx] = True
+        self.set_trained(idx, theta)
         up = self.receive(local, clients, ref=self.w)
         self.w = self.weights(clients, self.hp.weighting) @ up
         return {"train_loss": loss.mean(), **self.comm(clients)}
-
-    def personal_states(self) -> torch.Tensor:
-        return torch.where(self.seen[:, None], self.theta, self.w)
-
-    def personal_state(self, i: int) -> torch.Tensor:
-        return self.theta[i] if bool(self.seen[i]) else self.w
-
-    def global_state(self) -> torch.Tensor:
-        return self.w

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, TrainedOrGlobal
 from fedbench.algorithms.params import Weighting, nonneg
 from fedbench.engine import Proximal
 
@@ -35,18 +35,16 @@ class FedProxParams(FedAvgParams):
 
 
 @ALGORITHMS.register("fedavg")
-class FedAvg(Algorithm):
+class FedAvg(TrainedOrGlobal, Algorithm):
     name = "fedavg"
     Params = FedAvgParams
-    has_global = True
     attackable = True
     state_keys = ("w", "theta", "seen")
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
         self.w = engine.initial_state()
-        self.theta = self.w.repeat(self.N, 1)
-        self.seen = torch.zeros(self.N, dtype=torch.bool, device=self.device)
+        self.init_rows()
 
     def terms(self) -> list:
         return []
@@ -54,20 +52,10 @@ class FedAvg(Algorithm):
     def round(self, t: int, clients: np.ndarray) -> dict:
         res = self.local_train(self.w, clients, t, terms=self.terms())
         idx = torch.as_tensor(clients, device=self.device)
-        self.theta[idx] = res.states
-        self.seen[idx] = True
+        self.set_trained(idx, res.states)
         up = self.receive(res.states, clients, ref=self.w)
         self.w = self.weights(clients, self.hp.weighting) @ up
         return {"train_loss": res.loss.mean(), **self.comm(clients)}
-
-    def personal_states(self) -> torch.Tensor:
-        return torch.where(self.seen[:, None], self.theta, self.w)
-
-    def personal_state(self, i: int) -> torch.Tensor:
-        return self.theta[i] if bool(self.seen[i]) else self.w
-
-    def global_state(self) -> torch.Tensor:
-        return self.w
 
 
 @ALGORITHMS.register("fedprox")

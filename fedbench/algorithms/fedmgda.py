@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._qp import gram, min_norm_weights
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, TrainedOrGlobal
 from fedbench.algorithms.params import fraction, positive
 
 log = logging.getLogger("fedbench")
@@ -47,18 +47,16 @@ def box_weights(gh: torch.Tensor, lam0: np.ndarray, eps: float) -> np.ndarray | 
 
 
 @ALGORITHMS.register("fedmgda")
-class FedMGDA(Algorithm):
+class FedMGDA(TrainedOrGlobal, Algorithm):
     name = "fedmgda"
     Params = FedMGDAParams
-    has_global = True
     attackable = True
     state_keys = ("w", "theta", "seen", "fallbacks")
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
         self.w = engine.initial_state()
-        self.theta = self.w.repeat(self.N, 1)
-        self.seen = torch.zeros(self.N, dtype=torch.bool, device=self.device)
+        self.init_rows()
         self.fallbacks = 0
         self.last_lambda: np.ndarray | None = None
 
@@ -67,8 +65,7 @@ class FedMGDA(Algorithm):
         res = self.local_train(self.w, clients, t)
         states = self.receive(res.states, clients, ref=self.w, kind="model")
         idx = torch.as_tensor(clients, device=self.device)
-        self.theta[idx] = states
-        self.seen[idx] = True
+        self.set_trained(idx, states)
         lam0_all = self.weights(clients)
         delta = self.w[None, :P] - states[:, :P]
         norms = delta.norm(dim=1)
@@ -100,12 +97,3 @@ class FedMGDA(Algorithm):
         """The server's step on the normalized direction: `server_lr`, or optim.lr_at(t)."""
         lr = self.hp.server_lr
         return self.optim.lr_at(t) if lr is None else float(lr)
-
-    def personal_states(self) -> torch.Tensor:
-        return torch.where(self.seen[:, None], self.theta, self.w)
-
-    def personal_state(self, i: int) -> torch.Tensor:
-        return self.theta[i] if bool(self.seen[i]) else self.w
-
-    def global_state(self) -> torch.Tensor:
-        return self.w

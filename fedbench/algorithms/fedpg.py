@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._qp import gram, min_norm_weights
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, TrainedOrGlobal
 from fedbench.algorithms.params import hp, nonneg, positive
 
 log = logging.getLogger("fedbench")
@@ -238,10 +238,9 @@ def line_search(
 
 # ---------------------------------------------------------------------- the algorithm
 @ALGORITHMS.register("fedpg")
-class FedPG(Algorithm):
+class FedPG(TrainedOrGlobal, Algorithm):
     name = "fedpg"
     Params = FedPGParams
-    has_global = True
     attackable = True
     line_search = False
     state_keys = ("w", "theta", "seen", "hist", "last", "prev", "counts")
@@ -249,8 +248,7 @@ class FedPG(Algorithm):
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
         self.w = engine.initial_state()
-        self.theta = self.w.repeat(self.N, 1)
-        self.seen = torch.zeros(self.N, dtype=torch.bool, device=self.device)
+        self.init_rows()
         P = engine.n_params
         self.hist = torch.zeros(self.N, P, device=self.device)  # last g_j / ||g_j||
         self.last = torch.full((self.N,), -1, dtype=torch.long, device=self.device)
@@ -364,8 +362,7 @@ class FedPG(Algorithm):
         theta[:, :P] = w[:P] - step * d  # dropped clients: p_i = d
         if m > 0:
             theta[keep, :P] = w[None, :P] - step * p
-        self.theta[idx] = theta
-        self.seen[idx] = True
+        self.set_trained(idx, theta)
         self.w = new
         self.prev = self._mask(idx)
         self.timing["grads"] = t1 - t0
@@ -417,14 +414,6 @@ class FedPG(Algorithm):
         )
 
     # -------------------------------------------------------------- the contract
-    def personal_states(self) -> torch.Tensor:
-        return torch.where(self.seen[:, None], self.theta, self.w)
-
-    def personal_state(self, i: int) -> torch.Tensor:
-        return self.theta[i] if bool(self.seen[i]) else self.w
-
-    def global_state(self) -> torch.Tensor:
-        return self.w
 
 
 @ALGORITHMS.register("sfedpg")

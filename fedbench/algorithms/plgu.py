@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._steps import ClientOptim, grad_at
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, TrainedOrGlobal
 from fedbench.algorithms.fedrep import FedRep
 from fedbench.algorithms.params import Weighting, hp, nonneg
 from fedbench.algorithms.pfedhn import PFedHN, PFedHNParams
@@ -110,10 +110,9 @@ def score_rule(hp) -> str:
 
 
 @ALGORITHMS.register("plgu_lf")
-class PLGULF(Algorithm):
+class PLGULF(TrainedOrGlobal, Algorithm):
     name = "plgu_lf"
     Params = PLGULFParams
-    has_global = True
     attackable = True
     state_keys = ("w", "theta", "seen", "opt")
 
@@ -124,8 +123,7 @@ class PLGULF(Algorithm):
         self.layers = LayerMap(engine.spec, engine.model.layers(), self.device)
         self.opt = ClientOptim(self.optim, self.N)
         self.w = engine.initial_state()
-        self.theta = self.w.repeat(self.N, 1)
-        self.seen = torch.zeros(self.N, dtype=torch.bool, device=self.device)
+        self.init_rows()
 
     def personal_layers(self, xi: torch.Tensor) -> torch.Tensor:
         """Alg. 2 line 7: [L] bool, True on the layers with the largest scores (L_Per)."""
@@ -167,20 +165,10 @@ class PLGULF(Algorithm):
     def round(self, t: int, clients: np.ndarray) -> dict:
         thetas, ws, losses = zip(*(self.client(int(i), t) for i in clients))
         idx = torch.as_tensor(clients, device=self.device)
-        self.theta[idx] = torch.stack(thetas)
-        self.seen[idx] = True
+        self.set_trained(idx, torch.stack(thetas))
         delta = self.receive(torch.stack(ws), clients, ref=self.w) - self.w  # Alg. 2 line 10
         self.w = self.w + self.weights(clients, self.hp.weighting) @ delta  # line 11
         return {"train_loss": torch.stack(losses).mean(), **self.comm(clients)}
-
-    def personal_states(self) -> torch.Tensor:
-        return torch.where(self.seen[:, None], self.theta, self.w)
-
-    def personal_state(self, i: int) -> torch.Tensor:
-        return self.theta[i] if bool(self.seen[i]) else self.w
-
-    def global_state(self) -> torch.Tensor:
-        return self.w
 
 
 @ALGORITHMS.register("plgu_grep")
