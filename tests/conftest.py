@@ -100,3 +100,31 @@ def run_small(tmp_path, overrides: list[str], rounds: int = 5):
     cfg = compose([*SMALL_FMNIST, f"rounds={rounds}", *overrides])
     run = Run(cfg, tmp_path, progress=False)
     return run.run(), run
+
+
+def crash_and_resume(
+    tmp_path, monkeypatch, overrides: list[str], rounds: int, die_at: int, after_crash=None
+):
+    """Run on SMALL_FMNIST (+ overrides) uninterrupted in tmp_path/full; run again in
+    tmp_path/run, killed (KeyboardInterrupt) as round `die_at` starts, then resumed from its
+    last checkpoint with resume=true. `after_crash(run_dir)` checks the directory in between.
+    Returns (the uninterrupted summary, the resumed one)."""
+    from fedbench.runner import Run
+
+    full, _ = run_small(tmp_path / "full", overrides, rounds=rounds)
+    cfg = [*SMALL_FMNIST, f"rounds={rounds}", *overrides]
+    crashed = Run(compose(cfg), tmp_path / "run", progress=False)
+    real_round = crashed.algo.round
+
+    def dies(t, clients):
+        if t == die_at:
+            raise KeyboardInterrupt  # as if killed during that round
+        return real_round(t, clients)
+
+    monkeypatch.setattr(crashed.algo, "round", dies)
+    with pytest.raises(KeyboardInterrupt):
+        crashed.run()
+    if after_crash is not None:
+        after_crash(tmp_path / "run")
+    resumed = Run(compose([*cfg, "resume=true"]), tmp_path / "run", progress=False)
+    return full, resumed.run()

@@ -155,8 +155,7 @@ def test_global_all_pools_only_honest_clients_test_sets():
 @pytest.mark.slow
 def test_a1_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path, monkeypatch):
     """The attack's Gaussian stream is checkpointed: the resumed A1 run draws the same noise."""
-    from conftest import run_small
-    from fedbench.runner import Run
+    from conftest import crash_and_resume
 
     if not fmnist_available():
         pytest.skip("Fashion-MNIST files not installed")
@@ -168,19 +167,5 @@ def test_a1_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path,
         "eval.every=2",
         "checkpoint.every=2",
     ]
-    full, _ = run_small(tmp_path / "full", over, rounds=5)
-    crashed = Run(compose([*SMALL_FMNIST, "rounds=5", *over]), tmp_path / "run", progress=False)
-    real_round = crashed.algo.round
-
-    def dies_at_round_3(t, clients):
-        if t == 3:
-            raise KeyboardInterrupt
-        return real_round(t, clients)
-
-    monkeypatch.setattr(crashed.algo, "round", dies_at_round_3)
-    with pytest.raises(KeyboardInterrupt):
-        crashed.run()
-    resumed = Run(compose([*SMALL_FMNIST, "rounds=5", *over, "resume=true"]), tmp_path / "run")
-    resumed.progress = False
-    out = resumed.run()
+    full, out = crash_and_resume(tmp_path, monkeypatch, over, 5, die_at=3)
     assert {k: out[k] for k in ("final", "best")} == {k: full[k] for k in ("final", "best")}

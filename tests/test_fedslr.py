@@ -387,27 +387,12 @@ def test_gram_solver_equals_svd():
 def test_resume_after_crash_equals_uninterrupted(tmp_path, algo, monkeypatch):
     """Per-client state (lambda_i, h, p_i, ranks; c_i, c) through the runner's checkpoint:
     a run killed after round 5 and resumed from the round-3 checkpoint ends as one run."""
-    from conftest import SMALL_FMNIST, compose
-    from fedbench.runner import Run
+    from conftest import crash_and_resume
 
     over = [f"algo={algo}", "eval.every=2", "checkpoint.every=3", "participation=0.5"]
     if algo == "fedslr":
         over.append("algo.rank_penalty=0.01")
-    full, _ = run_small(tmp_path / "full", over, rounds=6)
-    crashed = Run(compose([*SMALL_FMNIST, "rounds=6", *over]), tmp_path / "run", progress=False)
-    real_round = crashed.algo.round
-
-    def dies_at_round_5(t, clients):
-        if t == 5:
-            raise KeyboardInterrupt
-        return real_round(t, clients)
-
-    monkeypatch.setattr(crashed.algo, "round", dies_at_round_5)
-    with pytest.raises(KeyboardInterrupt):
-        crashed.run()
-    resumed = Run(compose([*SMALL_FMNIST, "rounds=6", *over, "resume=true"]), tmp_path / "run")
-    resumed.progress = False
-    out = resumed.run()
+    full, out = crash_and_resume(tmp_path, monkeypatch, over, 6, die_at=5)
     assert {k: out[k] for k in ("final", "best", "size")} == {
         k: full[k] for k in ("final", "best", "size")
     }

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL_FMNIST, compose, fmnist_available, run_small
+from conftest import SMALL_FMNIST, compose, crash_and_resume, fmnist_available, run_small
 from fedbench.errors import ConfigError
 from fedbench.runner import RESUME_MAY_CHANGE, Run, resume_differences
 
@@ -44,26 +44,16 @@ def results(summary: dict) -> dict:
 )
 def test_resume_after_crash_equals_uninterrupted(tmp_path, algo, extra, monkeypatch):
     over = [f"algo={algo}", "eval.every=2", "checkpoint.every=3", "participation=0.5", *extra]
-    full, _ = run_small(tmp_path / "full", over, rounds=7)
 
-    crashed = Run(compose([*SMALL_FMNIST, "rounds=7", *over]), tmp_path / "run", progress=False)
-    real_round = crashed.algo.round
+    def killed_after_the_round_3_checkpoint(run_dir):
+        assert not (run_dir / "summary.json").exists()
+        ckpt = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+        assert ckpt["progress"]["next_round"] == 3
 
-    def dies_at_round_5(t, clients):
-        if t == 5:
-            raise KeyboardInterrupt  # as if killed after the round-3 checkpoint (and round 4)
-        return real_round(t, clients)
-
-    monkeypatch.setattr(crashed.algo, "round", dies_at_round_5)
-    with pytest.raises(KeyboardInterrupt):
-        crashed.run()
-    assert not (tmp_path / "run" / "summary.json").exists()
-    ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
-    assert ckpt["progress"]["next_round"] == 3
-
-    resumed = Run(compose([*SMALL_FMNIST, "rounds=7", *over, "resume=true"]), tmp_path / "run")
-    resumed.progress = False
-    assert results(resumed.run()) == results(full)
+    full, resumed = crash_and_resume(
+        tmp_path, monkeypatch, over, 7, die_at=5, after_crash=killed_after_the_round_3_checkpoint
+    )
+    assert results(resumed) == results(full)
 
 
 @pytest.mark.slow
