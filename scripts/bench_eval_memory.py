@@ -4,9 +4,9 @@ must never build all N personal models, whatever N.
 For each algorithm in turn, in this process: a random federation of N clients
 (a few test samples each; the numbers of correct predictions do not matter), the algorithm
 built on `--model`, every client marked as visited (so each deploys its own row), then the
-process's peak RSS is reset (/proc/self/clear_refs: 5, which ru_maxrss follows) and
+process's peak RSS is reset (/proc/self/clear_refs: 5, which VmHWM follows) and
 `evaluation.evaluate` runs. Printed:
-the extra peak (ru_maxrss after minus before) in models of D floats, and in GB.
+the extra peak (VmHWM after minus before) in models of D floats, and in GB.
 
     python scripts/bench_eval_memory.py     # WRN-28-10, 100 clients, FedRep and PLGU-GRep
     python scripts/bench_eval_memory.py --model mlp --hidden 2048 512 --input 1 28 28 \
@@ -64,6 +64,12 @@ def trim() -> None:
 
 
 def peak_kb() -> int:
+    """The address space's peak RSS in KiB: VmHWM, which clear_refs resets. (ru_maxrss also
+    keeps the peak of exited threads' accounting, so it may not come down after a reset.)"""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
 
 

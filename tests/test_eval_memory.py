@@ -55,7 +55,7 @@ def _bench(*args: str) -> list[dict]:
 def test_evaluation_extra_peak_is_a_few_models_not_n():
     """A 2.7M-parameter MLP, 96 clients: every [N, D] row would be 96 models (1 GB); an
     evaluation of FedRep, Ditto or pFedMe adds a few models at most to the process's peak RSS
-    (ru_maxrss after minus before, peak reset first; scripts/bench_eval_memory.py in a
+    (VmHWM after minus before, peak reset first; scripts/bench_eval_memory.py in a
     subprocess). The control evaluates through personal_states()[i], as before the fix:
     the same measurement sees its N rows."""
     if sys.platform != "linux":
