@@ -346,3 +346,26 @@ def test_layerwise_preset_scores_differ_and_k1_scores_are_one(tmp_path, monkeypa
             assert seen[0] == pytest.approx([1.0])
         else:
             assert abs(seen[0][0] - seen[0][1]) > 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "preset,algo",
+    [("fedslr_t1_cifar10_dir", "fedslr"), ("fedpg_table1_cifar10", "fedpg")],
+)
+def test_paper_cell_runs_on_cifar_format_files(tmp_path, preset, algo):
+    """A FedSLR / FedPG Table 1 cell (ResNet-18 GN with FedSLR's prox; FedPG's CNN) runs a
+    round on CIFAR-10 files in their own pickle format, shrunk to 4 clients."""
+    from test_plgu import fake_cifar10
+
+    from fedbench.runner import Run
+
+    fake_cifar10(tmp_path / "data", n_train=200, n_test=100)
+    cfg = compose(
+        [f"+experiment={preset}", f"algo={algo}", f"data.root={tmp_path / 'data'}"]
+        + ["data.download=false", "clients=4", "participation=2", "rounds=1", "device=cpu"]
+        + ["split.test_per_client=10"]
+    )
+    s = Run(cfg, tmp_path / "run", progress=False).run()
+    assert s["data"] == "cifar10" and s["final"]["round"] == 1
+    assert s["size"]["params_global_M"] > 0 and s["size"]["comm_MB"] > 0
