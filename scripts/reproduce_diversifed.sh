@@ -19,10 +19,9 @@
 # preset), so one cell of a table is `fedbench +experiment=diversifed_<preset> algo=<method>`.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"  # ROOT, EXTRA_ARGS, run
 SEEDS="${SEEDS:-0,1,2,3,4}"
 OUT="${OUT:-multirun/diversifed}"
-read -r -a EXTRA_ARGS <<< "${EXTRA:-}"
 
 ALL_METHODS="fedavg local perfedavg pfedme fedamp fedfomo apple fedrep fedproto fedrod fedcac diversifed"
 T7_METHODS="fedavg perfedavg pfedme fedamp fedfomo apple diversifed"
@@ -38,11 +37,6 @@ declare -A COLUMNS=(
 )
 ORDER="table1_fmnist table1_cifar10 table1_cifar100 table2_fmnist table2_cifar10
 table2_cifar100 table3_pathmnist table7_cifar10"
-
-run() {
-  echo "+ $*"
-  [[ -n "${DRY_RUN:-}" ]] || (cd "$ROOT" && "$@")
-}
 
 presets=()
 for arg in "${@:-all}"; do

@@ -21,22 +21,16 @@
 # one lr is `fedbench +experiment=fedpg_<preset> algo=<method> optim.lr=<lr> seed=<s>`.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"  # ROOT, EXTRA_ARGS, run
 SEEDS="${SEEDS:-0,1,2,3,4}"
 LRS="${LRS:-0.01 0.05 0.1}"
 OUT="${OUT:-multirun/fedpg}"
-read -r -a EXTRA_ARGS <<< "${EXTRA:-}"
 
 T1_METHODS="local fedavg fedprox apfl pfedme ditto fedamp fedfomo fedrep fedrod splitgp fedmgda
 fedpg sfedpg fedpg@0.3 fedpg@0.6 fedpg@1.0"
 T3_METHODS="fedavg fedprox apfl pfedme ditto fedrep fedrod splitgp fedmgda fedpg"
 ORDER="table1_fmnist table1_cifar10 table1_cifar100 table2_cifar10_p10 table2_cifar10_p50
 table2_cifar10_p100 table3_fmnist_clean table3_fmnist_a1 table3_fmnist_a2"
-
-run() {
-  echo "+ $*"
-  [[ -n "${DRY_RUN:-}" ]] || (cd "$ROOT" && "$@")
-}
 
 presets=()
 for arg in "${@:-all}"; do

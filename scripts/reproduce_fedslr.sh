@@ -20,19 +20,13 @@
 # run, e.g. "device=cuda" or "data.root=/data hydra/launcher=joblib_local").
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"  # ROOT, EXTRA_ARGS, run
 SEEDS="${SEEDS:-0}"
 OUT="${OUT:-multirun/fedslr}"
-read -r -a EXTRA_ARGS <<< "${EXTRA:-}"
 
 DATA="cifar10 cifar100 tinyimagenet"
 # Table 1's rows (FedSLR is one run for its GKR and mixed rows; APFL when registered)
 ALL_METHODS="scaffold feddyn fedavg fedslr perfedavg lg_fedavg fedrep ditto apfl local fedspa"
-
-run() {
-  echo "+ $*"
-  [[ -n "${DRY_RUN:-}" ]] || (cd "$ROOT" && "$@")
-}
 
 registered() {  # the methods with a conf/algo/<name>.yaml
   for m in $1; do

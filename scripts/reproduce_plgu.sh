@@ -23,10 +23,9 @@
 # "device=cuda" or "data.root=/data hydra/launcher=joblib_local").
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"  # ROOT, EXTRA_ARGS, run
 SEEDS="${SEEDS:-0,1,2}"
 OUT="${OUT:-multirun/plgu}"
-read -r -a EXTRA_ARGS <<< "${EXTRA:-}"
 
 COLUMNS="cifar10 cifar10_c100 cifar100 cifar100_c100 tinyimagenet"
 declare -A METHODS_OF=(
@@ -42,11 +41,6 @@ declare -A SWEEP_OF=(
   [t4]="algo.rho=0.05,0.1,0.5"
   [f5]="algo.personal_layers=0,1,5,10,23"
 )
-
-run() {
-  echo "+ $*"
-  [[ -n "${DRY_RUN:-}" ]] || (cd "$ROOT" && "$@")
-}
 
 # The presets (without "plgu_") asked for, in order.
 presets=()
