@@ -201,31 +201,23 @@ def test_line_search_accepts_exactly_the_armijo_step_on_a_quadratic():
 def test_line_search_falls_back_to_mean_decrease_then_smallest_mean():
     L0 = torch.tensor([1.0, 1.0], dtype=torch.float64)
     gd = torch.tensor([1.0, 1.0], dtype=torch.float64)
-    table = {4.0: [2.0, 2.0], 2.0: [0.9, 1.05], 1.0: [0.99, 0.999]}  # Armijo never holds
-    e, n = fedpg.line_search(
-        lambda e: torch.tensor(table[e]).double(),
-        2.0,
-        s=1,
-        sigma=1.0,
-        shrink_ub=False,
-        L0=L0,
-        gd=gd,
-        dF=0.0,
-        beta=0.5,
-    )
+
+    def search(table):  # trial losses by step size; Armijo (beta 0.5) never holds
+        return fedpg.line_search(
+            lambda e: torch.tensor(table[e]).double(),
+            2.0,
+            s=1,
+            sigma=1.0,
+            shrink_ub=False,
+            L0=L0,
+            gd=gd,
+            dF=0.0,
+            beta=0.5,
+        )
+
+    e, n = search({4.0: [2.0, 2.0], 2.0: [0.9, 1.05], 1.0: [0.99, 0.999]})
     assert (e, n) == (2.0, 3)  # the largest eta whose mean loss decreased
-    table = {4.0: [2.0, 2.0], 2.0: [1.5, 1.5], 1.0: [1.2, 1.2]}
-    e, _ = fedpg.line_search(
-        lambda e: torch.tensor(table[e]).double(),
-        2.0,
-        s=1,
-        sigma=1.0,
-        shrink_ub=False,
-        L0=L0,
-        gd=gd,
-        dF=0.0,
-        beta=0.5,
-    )
+    e, _ = search({4.0: [2.0, 2.0], 2.0: [1.5, 1.5], 1.0: [1.2, 1.2]})
     assert e == 1.0  # none decreased: the smallest mean loss
 
 
