@@ -69,6 +69,13 @@ class Attack:
             return None
         return cls(str(a.kind), float(a.fraction), n_clients, int(cfg.seed), str(a.a1_grad))
 
+    def rng_state(self) -> torch.Tensor:
+        """The Gaussian stream's state, for checkpoints (a resumed A1 run draws the same)."""
+        return self._gen.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self._gen.set_state(state.cpu())
+
     @property
     def count(self) -> int:
         return int(self.malicious.sum())

@@ -206,7 +206,6 @@ class Run:
             chunk_clients=None if ecfg.get("chunk_clients") is None else int(ecfg.chunk_clients),
             memory_budget=None if ecfg.get("memory_budget") is None else float(ecfg.memory_budget),
         )
-        algo_cls = ALGORITHMS.get(str(cfg.algo.name))
         self.algo = algo_cls(cfg, self.fed, self.engine, self.model_fn)
         # malicious clients (fedbench/attack.py): they act in Algorithm.receive only
         self.attack = Attack.from_cfg(cfg, n)
@@ -218,6 +217,7 @@ class Run:
                 )
             self.algo.attack = self.attack
         self.honest = None if self.attack is None else self.attack.honest
+        self._warned_collapse = False  # one warning per run when an attacked run diverges
         self.per_round = clients_per_round(cfg.participation, n)
         self.sampler = np.random.default_rng([seed, 7])
 
@@ -287,7 +287,7 @@ class Run:
                             f"training diverged at round {t + 1} (loss {loss}); lower optim.lr"
                         )
                     # under attack a collapse is the outcome measured (FedPG Table 3): go on
-                    if not getattr(self, "_warned_collapse", False):
+                    if not self._warned_collapse:
                         self._warned_collapse = True
                         log.warning(
                             "training diverged at round %d under attack.kind=%s (loss %s); "
@@ -348,7 +348,7 @@ class Run:
             "sampler": self.sampler.bit_generator.state,
             "augment": self.fed.rng_state(),
             # the attack's Gaussian stream (A1), so that a resumed run draws the same noise
-            "attack": None if self.attack is None else self.attack._gen.get_state(),
+            "attack": None if self.attack is None else self.attack.rng_state(),
             "version": fedbench.__version__,
             "config": _plain(self.cfg),  # resume=true checks the new config against it
         }
@@ -368,7 +368,7 @@ class Run:
         self.sampler.bit_generator.state = state["sampler"]
         self.fed.set_rng_state(state["augment"])
         if self.attack is not None and state.get("attack") is not None:
-            self.attack._gen.set_state(state["attack"].cpu())
+            self.attack.set_rng_state(state["attack"])
         log.info("resumed from %s at round %d", path, self.progress_state["next_round"])
 
     def _write_metrics(self) -> None:
