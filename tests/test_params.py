@@ -88,7 +88,7 @@ def _needs_params(algo: str) -> None:
 @pytest.mark.parametrize("algo,override,key", INVALID, ids=[c[1] + "-" + c[0] for c in INVALID])
 def test_invalid_hyperparameter_is_one_line(algo, override, key):
     _needs_params(algo)
-    msg = cli.precheck([f"algo={algo}", override])
+    msg = cli.refusal([f"algo={algo}", override])
     assert msg is not None, f"algo={algo} {override} passed the check"
     assert msg.startswith(f"fedbench: {key}") and "\n" not in msg
 
@@ -96,7 +96,7 @@ def test_invalid_hyperparameter_is_one_line(algo, override, key):
 def test_valid_defaults_pass():
     for algo in ("fedavg", "fedprox", "pfedme", "plgu_ghn"):
         if ALGORITHMS.get(algo).Params is not None:
-            assert cli.precheck([f"algo={algo}"]) is None
+            assert cli.refusal([f"algo={algo}"]) is None
 
 
 def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
@@ -159,6 +159,6 @@ def test_unknown_key_is_one_line(argv, start):
     algo = next((a.split("=")[1] for a in argv if a.startswith("algo=")), "fedavg")
     if argv[-1].startswith("+"):
         _needs_params(algo)
-    msg = cli.precheck(argv)
+    msg = cli.refusal(argv)
     assert msg is not None and msg.startswith(start), msg
     assert "\n" not in msg

@@ -17,6 +17,7 @@ A subclass of an algorithm extends its parent's dataclass, as FedProx extends Fe
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -35,10 +36,12 @@ def hp(
     gt: float | None = None,
     le: float | None = None,
     lt: float | None = None,
+    length: int | None = None,
 ) -> Any:
-    """A dataclass field with a range (the default value lives in the YAML)."""
+    """A dataclass field with a range (for a list: of each element, and its `length`); the
+    default value lives in the YAML."""
     bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
-    return field(metadata={"bounds": bounds})
+    return field(metadata={"bounds": bounds, "length": length})
 
 
 # Shorthands for the ranges that recur.
@@ -96,8 +99,10 @@ def _fits(value: Any, tp: Any) -> bool:
         return isinstance(value, bool)
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is float:  # nan and inf are no setting of any fedbench key
+        return (
+            isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        )
     if tp is str:
         return isinstance(value, str)
     if is_dataclass(tp):
@@ -105,28 +110,40 @@ def _fits(value: Any, tp: Any) -> bool:
     raise TypeError(f"unsupported hyperparameter type {tp!r}")
 
 
-def _check(node: dict, params: type, prefix: str, algo: str) -> None:
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def check_node(node: dict, params: type, prefix: str, owner: str, source: str) -> None:
+    """Raise ConfigError (one line) unless the plain dict `node` has exactly the fields of the
+    dataclass `params`, each of its type and in its range. `prefix` is the node's dotted key
+    (`algo`, `optim`; "" for the top level), `owner` names whose keys they are in messages
+    (`algo=fedavg`), `source` the file that lists them all (`conf/algo/fedavg.yaml`)."""
     hints = typing.get_type_hints(params)
     spec = {f.name: f for f in fields(params)}
     for key in node:
-        if key not in spec and not (prefix == "algo" and key == "name"):
+        if key not in spec:
             valid = ", ".join(spec) or "none"
-            raise ConfigError(f"{prefix}.{key}: not a key of algo={algo}; valid: {valid}")
+            raise ConfigError(f"{_join(prefix, key)}: not a key of {owner}; valid: {valid}")
     for name, f in spec.items():
-        key = f"{prefix}.{name}"
+        key = _join(prefix, name)
         if name not in node:
-            raise ConfigError(f"{key} is missing (conf/algo/{algo}.yaml lists every key)")
+            raise ConfigError(f"{key} is missing ({source} lists every key)")
         value, tp = node[name], hints[name]
         if not _fits(value, tp):
             raise ConfigError(f"{key}={value!r} must be {_type_name(tp)}")
         if is_dataclass(tp):
-            _check(value, tp, key, algo)
+            check_node(value, tp, key, owner, source)
             continue
+        length = f.metadata.get("length")
+        if length is not None and isinstance(value, list | tuple) and len(value) != length:
+            raise ConfigError(f"{key}={value!r} must have {length} elements")
         for op, bound in f.metadata.get("bounds", {}).items():
             items = value if isinstance(value, list | tuple) else [value]
             ok, sym = _OPS[op]
             if any(v is not None and not ok(v, bound) for v in items):
-                raise ConfigError(f"{key}={value!r} must be {sym} {bound}")
+                each = ": each element" if isinstance(value, list | tuple) else ""
+                raise ConfigError(f"{key}={value!r}{each} must be {sym} {bound}")
 
 
 def check_params(algo_cfg: DictConfig | dict, params: type | None, algo: str) -> None:
@@ -139,4 +156,5 @@ def check_params(algo_cfg: DictConfig | dict, params: type | None, algo: str) ->
         if isinstance(algo_cfg, DictConfig)
         else dict(algo_cfg)
     )
-    _check(node, params, "algo", algo)
+    node.pop("name", None)  # the group option's own name
+    check_node(node, params, "algo", f"algo={algo}", f"conf/algo/{algo}.yaml")

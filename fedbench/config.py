@@ -1,0 +1,283 @@
+"""The run's schema: every key of the composed config, its type and its range, checked once
+before anything is built or written (`check_config`).
+
+The algorithms' keys are checked by their own `Params` (fedbench/algorithms/params.py); this
+module holds the rest with the same machinery: the run's top-level keys and sub-groups
+(`optim`, `eval`, `engine`, `attack`, `checkpoint`), and one dataclass per option of the
+`data`, `split` and `model` groups, whose fields are exactly the keys of that option's YAML
+(`conf/<group>/<option>.yaml`; tests/test_config.py holds the two to each other). Checks that
+need more than one key (participation against clients, the attack's honest clients, the
+device string, data.root) follow in `check_config`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from omegaconf import DictConfig, OmegaConf
+
+from fedbench.algorithms.params import check_node, fraction, hp, nonneg, positive
+from fedbench.errors import ConfigError
+
+# The largest seed: every generator the run seeds (numpy, torch, CUDA) takes 32 bits.
+MAX_SEED = 2**32 - 1
+TestMode = Literal["matched", "pooled"]
+Norm = Literal["none", "batch", "group"]
+
+
+def at_least(n: int):
+    return hp(ge=n)
+
+
+# ---------------------------------------------------------------------------- the run's keys
+
+
+@dataclass
+class OptimParams:
+    name: Literal["sgd", "adam"]
+    lr: float = positive()
+    momentum: float = hp(ge=0, lt=1)
+    weight_decay: float = nonneg()
+    nesterov: bool
+    betas: list[float] = hp(ge=0, lt=1, length=2)
+    eps: float = positive()
+    lr_decay: float = hp(gt=0, le=1)  # lr at round t = lr * lr_decay^t
+    persist_state: bool
+
+
+@dataclass
+class EvalParams:
+    every: int = at_least(1)
+    tail: float = hp(gt=0, le=0.5)  # top5 / bottom5 are the best / worst `tail` of clients
+    s_frac: float = fraction()
+    batch_size: int = at_least(1)
+
+
+@dataclass
+class EngineParams:
+    backend: Literal["auto", "sequential", "vmap"]
+    drop_last: bool
+    chunk_clients: int | None = at_least(1)
+    memory_budget: float | None = positive()
+
+
+@dataclass
+class AttackParams:
+    kind: Literal["none", "a1", "a2"]
+    fraction: float = hp(gt=0, lt=1)
+    a1_grad: Literal["scaled", "gaussian"]
+
+
+@dataclass
+class CheckpointParams:
+    every: int = nonneg()
+
+
+@dataclass
+class RunParams:
+    """The top-level keys (conf/config.yaml); the groups data/split/model/algo are checked by
+    their option's own schema."""
+
+    seed: int = hp(ge=0, le=MAX_SEED)
+    device: str
+    rounds: int = at_least(1)
+    clients: int = at_least(1)
+    participation: float = positive()
+    local_epochs: int = at_least(1)
+    batch_size: int = at_least(1)
+    optim: OptimParams
+    eval: EvalParams
+    engine: EngineParams
+    attack: AttackParams
+    checkpoint: CheckpointParams
+    resume: bool
+
+
+# ---------------------------------------------------------------------------- data options
+
+
+@dataclass
+class FileData:
+    root: str | None
+    download: bool
+    augment: bool
+
+
+@dataclass
+class PathMnistData(FileData):
+    use_val: bool
+
+
+@dataclass
+class SyntheticData(FileData):
+    alpha: float = nonneg()
+    beta: float = nonneg()
+    dim: int = at_least(1)
+    num_classes: int = at_least(2)
+    num_samples: int = at_least(2)
+    groups: int = at_least(1)
+
+
+DATA = {
+    "fmnist": FileData,
+    "cifar10": FileData,
+    "cifar100": FileData,
+    "tinyimagenet": FileData,
+    "pathmnist": PathMnistData,
+    "synthetic": SyntheticData,
+}
+
+# ---------------------------------------------------------------------------- split options
+
+
+@dataclass
+class SplitCommon:
+    train_per_client: int | None = at_least(1)
+    test_mode: TestMode
+    test_per_client: int | None = at_least(1)
+    train_frac: float = hp(gt=0, lt=1)
+
+
+@dataclass
+class IidSplit(SplitCommon):
+    pass
+
+
+@dataclass
+class PatSplit(SplitCommon):
+    classes_per_client: int = at_least(1)
+    balance: bool
+
+
+@dataclass
+class DirSplit(SplitCommon):
+    alpha: float = positive()
+    dir_mode: Literal["per_class", "per_client"]
+    dir_prior: Literal["shares", "ones"]
+    min_samples: int = nonneg()
+
+
+@dataclass
+class PracticalSplit(SplitCommon):
+    groups: int = at_least(1)
+    dominant_classes: list[list[int]] | None
+    dominant_frac: float = fraction()
+
+
+SPLIT = {"iid": IidSplit, "pat": PatSplit, "dir": DirSplit, "practical": PracticalSplit}
+
+# ---------------------------------------------------------------------------- model options
+
+
+@dataclass
+class MlpModel:
+    hidden: list[int] = at_least(1)
+
+
+@dataclass
+class CnnModel:
+    preset: Literal["fedavg", "lenet"] | None
+    channels: list[int] | None = at_least(1)
+    fc: list[int] | None = at_least(1)
+    kernel: int = at_least(1)
+    padding: int = nonneg()
+    norm: Norm
+
+
+@dataclass
+class ResNetModel:
+    norm: Norm
+    gn_groups: int = at_least(1)
+
+
+@dataclass
+class ResNet8Model(ResNetModel):
+    widths: list[int] = hp(ge=1, length=3)
+    stem: Literal["cifar", "imagenet"]
+
+
+@dataclass
+class WrnModel(ResNetModel):
+    depth: int = at_least(10)
+    widen: int = at_least(1)
+
+
+MODEL = {
+    "mlp": MlpModel,
+    "cnn": CnnModel,
+    "resnet8": ResNet8Model,
+    "resnet18": ResNetModel,
+    "resnet50": ResNetModel,
+    "wrn28_10": WrnModel,
+}
+
+GROUPS = {"data": DATA, "split": SPLIT, "model": MODEL}
+
+# `model.layer_unit` is accepted by every model (fedbench/models/registry.py) without being in
+# a YAML; an override adds it with `+model.layer_unit=...`.
+OPTIONAL = {"model": {"layer_unit": Literal["op_norm", "module", "tensor"]}}
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+def plain(cfg: DictConfig | dict) -> dict:
+    """The config as plain resolved containers."""
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)
+    return dict(cfg)
+
+
+def check_config(cfg: DictConfig | dict) -> None:
+    """Raise ConfigError (one line) unless every key of the run's config is known, of its
+    type and in its range; `algo` is checked by the algorithm's `Params`. Reads no file but
+    `data.root`'s kind (a directory, or absent)."""
+    from fedbench.algorithms import ALGORITHMS
+    from fedbench.algorithms.params import check_params
+
+    node = {k: v for k, v in plain(cfg).items() if k != "hydra"}
+    groups = {g: node.pop(g, None) for g in ("data", "split", "model", "algo")}
+    for g, value in groups.items():
+        if not isinstance(value, dict) or "name" not in value:
+            raise ConfigError(f"{g}: missing from the config (conf/config.yaml's defaults)")
+    check_node(node, RunParams, "", "the run", "conf/config.yaml")
+    for g, options in GROUPS.items():
+        sub = dict(groups[g])
+        name = sub.pop("name")
+        if name not in options:
+            raise ConfigError(f"unknown {g} {name!r}; valid: {', '.join(sorted(options))}")
+        extra = OPTIONAL.get(g, {})
+        for key, tp in extra.items():
+            if key in sub and sub[key] not in tp.__args__:
+                valid = ", ".join(tp.__args__)
+                raise ConfigError(f"{g}.{key}={sub[key]!r} must be {valid}")
+            sub.pop(key, None)
+        check_node(sub, options[name], g, f"{g}={name}", f"conf/{g}/{name}.yaml")
+    algo = str(groups["algo"]["name"])
+    check_params(groups["algo"], ALGORITHMS.get(algo).Params, algo)
+    _check_together(node, groups)
+
+
+def _check_together(node: dict, groups: dict) -> None:
+    n = node["clients"]
+    device = node["device"]
+    if not _DEVICE.match(device):
+        raise ConfigError(f"device={device!r}; valid: auto, cpu, cuda, cuda:N")
+    p = node["participation"]
+    if p > 1 and (p != int(p) or p > n):
+        raise ConfigError(
+            f"participation={p}: a fraction in (0, 1] or a whole count of clients <= {n}"
+        )
+    attack = node["attack"]
+    if attack["kind"] != "none":
+        k = max(1, round(attack["fraction"] * n))
+        if k >= n:
+            raise ConfigError(
+                f"attack.fraction={attack['fraction']} makes {k} of the {n} clients malicious: "
+                "no honest client is left to score; lower it"
+            )
+    root = groups["data"].get("root")
+    if root and Path(str(root)).expanduser().exists() and not Path(root).expanduser().is_dir():
+        raise ConfigError(f"data.root={root} is a file, not a directory")
