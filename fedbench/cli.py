@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import secrets
+import signal
 import sys
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from fedbench.errors import FedbenchError
 
@@ -19,6 +24,12 @@ GROUPS = ("data", "split", "model", "algo", "experiment", "paper")
 EXIT_BAD_INPUT = 2
 
 log = logging.getLogger("fedbench")
+
+# `${fedbench.uid:}` in the default run and sweep directory names: one random token per
+# process, so runs started in the same second (a job array, a joblib pool) never share one.
+_UID = secrets.token_hex(4)
+if not OmegaConf.has_resolver("fedbench.uid"):
+    OmegaConf.register_new_resolver("fedbench.uid", lambda: _UID)
 
 
 def group_options(group: str) -> list[str]:
@@ -136,81 +147,330 @@ def _compose(overrides: list[str]):
         return compose("config", overrides=overrides, return_hydra_config=True)
 
 
-def precheck(argv: list[str]) -> str | None:
-    """Compose the config as Hydra will and check it before Hydra starts (and so before it
-    writes anything): a mistyped key, a hyperparameter of the wrong type or out of range,
-    and (resume=true) a config that differs from the run directory's checkpoint are one line
-    (exit 2) instead of Hydra's multi-line error or a run that starts. A multirun has its
-    first job composed (a mistyped key); its values are checked job by job (Run). None: all
-    good, or nothing fedbench can check here (Hydra's own flags; Hydra then reports)."""
+@dataclass
+class Plan:
+    """What the checks before Hydra found: where the run (or the sweep) will write, and
+    which overrides fedbench adds so that Hydra uses exactly those directories."""
+
+    multirun: bool = False
+    run_dir: Path | None = None
+    # the outermost folder this command would create for the run (None: the directory
+    # exists): removed again if the run is refused after Hydra made it
+    created: Path | None = None
+    sweep_dir: Path | None = None
+    extra: list[str] = field(default_factory=list)
+
+
+class BadInput(Exception):
+    """A check before Hydra failed: the message is the line to print (exit 2)."""
+
+
+def _given(overrides: list[str], key: str) -> bool:
+    return any(o.partition("=")[0].lstrip("+~") == key for o in overrides)
+
+
+def _outermost_missing(path: Path) -> Path | None:
+    p, missing = path.absolute(), None
+    while not p.exists():
+        missing, p = p, p.parent
+    return missing
+
+
+def _jobs(overrides: list[str]) -> list[list[str]] | None:
+    """Every job's overrides of a basic sweep (None where Hydra's own sweeper cannot
+    enumerate it here: an interval, or another sweeper's syntax)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        if any(o.is_sweep_override() and o.is_interval_sweep() for o in parsed):
+            return None
+        batches = BasicSweeper.split_arguments(parsed, None)
+    except Exception:  # noqa: BLE001 (Hydra reports what it cannot parse itself)
+        return None
+    return [list(job) for batch in batches for job in batch]
+
+
+# A sweep larger than this has its first job's values checked here and the rest job by job
+# (composing a config takes ~50 ms).
+MAX_CHECKED_JOBS = 500
+
+
+def precheck(argv: list[str]) -> Plan:
+    """Compose the config as Hydra will and check it before Hydra starts (and so before
+    anything is written): every key, its type and range (fedbench/config.py), the run
+    directory (writable; another run's only with resume=true; with resume=true, the
+    checkpoint's config), and in a sweep every job's values. Raises BadInput with the one
+    line to print. Hydra's own flags (--help, --cfg, ...) are left to Hydra."""
     from hydra._internal.utils import get_args_parser
 
     try:
         args = get_args_parser().parse_args(argv)
     except (SystemExit, Exception):  # noqa: BLE001 (Hydra reports its own usage errors)
-        return None
+        return Plan()
     if any(getattr(args, flag, None) for flag in _HYDRA_OWN):
-        return None
-    overrides = _first_overrides(list(args.overrides), bool(args.multirun))
-    if overrides is None:
-        return None
+        return Plan()
+    overrides = list(args.overrides)
+    if args.multirun:
+        jobs = _jobs(overrides)
+        if jobs is None:
+            first = _first_overrides(overrides, True)
+            jobs = [first] if first is not None else []
+        elif len(jobs) > MAX_CHECKED_JOBS:
+            jobs = jobs[:1]
+    else:
+        jobs = [overrides]
+    plan = Plan(multirun=bool(args.multirun))
+    for i, job in enumerate(jobs):
+        cfg = _compose_checked(job)
+        where = f" (job {i}: {' '.join(job)})" if args.multirun and len(jobs) > 1 else ""
+        _check_job(cfg, where)
+        if i == 0:
+            _plan_dirs(plan, cfg, overrides)
+    return plan
+
+
+def refusal(argv: list[str]) -> str | None:
+    """The line fedbench would refuse `argv` with (exit 2), or None: all checks pass."""
+    try:
+        msg = check_overrides(argv)
+        if msg is None:
+            precheck(argv)
+        return msg
+    except BadInput as e:
+        return str(e)
+
+
+def _compose_checked(overrides: list[str]):
     from hydra.errors import HydraException
-    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        cfg = _compose(overrides)
+        return _compose(overrides)
     except (HydraException, OmegaConfBaseException) as e:
-        return _unknown_key_message(e, overrides) or f"fedbench: {_one_line(e)}"
-    if args.multirun:
-        # A value a job cannot run with fails that job only (its directory has no
-        # summary.json; the sweep goes on), as in Run; a composition error ends every sweep.
-        return None
-    from fedbench.algorithms import ALGORITHMS
-    from fedbench.algorithms.params import check_params
-    from fedbench.runner import check_resume, validate
+        raise BadInput(
+            _unknown_key_message(e, overrides) or _experiment_hint(e) or f"fedbench: {_one_line(e)}"
+        ) from None
 
-    run_dir = OmegaConf.select(cfg, "hydra.run.dir", throw_on_resolution_failure=False)
-    task = OmegaConf.create({k: v for k, v in OmegaConf.to_container(cfg).items() if k != "hydra"})
-    try:
-        validate(task)
-        name = str(task.algo.name)
-        check_params(task.algo, ALGORITHMS.get(name).Params, name)
-        if task.resume and run_dir:
-            check_resume(task, run_dir)
-    except FedbenchError as e:
-        return f"fedbench: {e}"
-    except OmegaConfBaseException as e:  # e.g. an interpolation that does not resolve
-        return f"fedbench: {_one_line(e)}"
+
+def _experiment_hint(err: Exception) -> str | None:
+    text = str(err)
+    if "Could not override 'experiment'" in text:
+        return "fedbench: experiment is added, not overridden: write +experiment=<preset>"
     return None
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def _app(cfg: DictConfig) -> None:
-    from fedbench.runner import Run, final_table
+def _check_job(cfg, where: str) -> None:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    hc = HydraConfig.get()
-    out = hc.runtime.output_dir
+    from fedbench.config import check_config
+
     try:
-        summary = Run(cfg, out, progress=sys.stderr.isatty()).run()
+        task = OmegaConf.create(
+            {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "hydra"}
+        )
+        check_config(task)
+        from fedbench.runner import resolve_device
+
+        resolve_device(str(task.device))
     except FedbenchError as e:
-        print(f"fedbench: {e}", file=sys.stderr)
-        if hc.mode == RunMode.MULTIRUN:
-            # One bad cell must not end the sweep: its directory has no summary.json, and
-            # fedbench-report marks it as failed.
-            log.error("run %s failed: %s", out, e)
+        raise BadInput(f"fedbench: {e}{where}") from None
+    except OmegaConfBaseException as e:  # e.g. an interpolation that does not resolve
+        raise BadInput(f"fedbench: {_one_line(e)}{where}") from None
+
+
+def _plan_dirs(plan: Plan, cfg, overrides: list[str]) -> None:
+    from omegaconf import OmegaConf
+
+    from fedbench.rundir import RunDirError, check_writable, holds_run
+    from fedbench.runner import check_resume
+
+    resume = bool(OmegaConf.select(cfg, "resume"))
+    key = "hydra.sweep.dir" if plan.multirun else "hydra.run.dir"
+    if resume and not _given(overrides, key):
+        raise BadInput(
+            f"fedbench: resume=true needs the run's directory: add {key}=<the directory "
+            "it wrote> to the command"
+        )
+    where = Path(str(OmegaConf.select(cfg, key))).absolute()
+    if not _given(overrides, key):  # Hydra resolves ${now:} again: pin what we checked
+        plan.extra.append(f"{key}={where}")
+    try:
+        check_writable(where)
+    except RunDirError as e:
+        raise BadInput(f"fedbench: {e}") from None
+    if plan.multirun:
+        plan.sweep_dir = where
+        return
+    plan.run_dir, plan.created = where, _outermost_missing(where)
+    taken = holds_run(where) if where.is_dir() else []
+    if taken and not resume:
+        raise BadInput(
+            f"fedbench: run directory {where} holds another run ({', '.join(taken)}); "
+            "resume=true to continue that run, or choose another directory"
+        )
+    if resume:
+        task = OmegaConf.create(
+            {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "hydra"}
+        )
+        try:
+            check_resume(task, where)
+        except FedbenchError as e:
+            raise BadInput(f"fedbench: {e}") from None
+
+
+def _record_failure(out: Path, cfg: DictConfig, message: str) -> None:
+    """A sweep's job that was refused before its run started: its (new) directory gets the
+    config and the error, so that fedbench-report lists it as failed. Never written into
+    a directory that holds another run or is in use."""
+    from omegaconf import OmegaConf
+
+    from fedbench.io import atomic_write_text
+    from fedbench.rundir import RunDir
+    from fedbench.runner import ERROR_FILE
+
+    try:
+        with RunDir.claim(out, resume=False):
+            atomic_write_text(out / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg))
+            atomic_write_text(out / ERROR_FILE, message + "\n")
+    except FedbenchError:
+        pass
+
+
+def _internal_error(e: BaseException) -> str:
+    """Save the traceback of a fedbench bug to a file; the line to print."""
+    import tempfile
+    import traceback
+
+    fd, path = tempfile.mkstemp(prefix="fedbench-error-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write(" ".join(sys.argv) + "\n\n")
+        traceback.print_exception(e, file=f)
+    return (
+        f"fedbench: internal error ({type(e).__name__}: {_one_line(e)[:200]}); the traceback "
+        f"is in {path}: please report it"
+    )
+
+
+def _remove_created(out: Path, created: Path | None) -> None:
+    """Remove the empty folders Hydra made for a run that was then refused."""
+    if created is None:
+        return
+    p = out.absolute()
+    while True:
+        try:
+            p.rmdir()
+        except OSError:
             return
-        sys.exit(EXIT_BAD_INPUT)
-    print(final_table(summary))
-    print(f"results in {out}")
+        if p == created or p.parent == p:
+            return
+        p = p.parent
+
+
+def _make_task(plan: Plan):
+    def task(cfg: DictConfig) -> None:
+        from omegaconf import OmegaConf
+
+        from fedbench.runner import Interrupted, Run, final_table
+
+        hc = HydraConfig.get()
+        out = Path(hc.runtime.output_dir)
+        multirun = hc.mode == RunMode.MULTIRUN
+        files = {
+            ".hydra/hydra.yaml": OmegaConf.to_yaml(HydraConfig.instance().cfg),
+            ".hydra/overrides.yaml": OmegaConf.to_yaml(hc.overrides.task),
+        }
+        started = False
+        try:
+            run = Run(cfg, out, progress=sys.stderr.isatty())
+            started = True
+            summary = run.run(files)
+        except Interrupted as e:
+            print(f"fedbench: {e}", file=sys.stderr)
+            sys.exit(128 + e.signum)
+        except KeyboardInterrupt:
+            print("fedbench: interrupted before training started (nothing to resume)",
+                  file=sys.stderr)  # fmt: skip
+            if not started:
+                _remove_created(out, plan.created)
+            sys.exit(128 + signal.SIGINT)
+        except FedbenchError as e:
+            if multirun:
+                # One bad cell must not end the sweep; main() lists the failed jobs at the end.
+                log.error("run %s failed: %s", out, e)
+                if not started:
+                    _record_failure(out, cfg, str(e))
+                return
+            print(f"fedbench: {e}", file=sys.stderr)
+            if not started:
+                _remove_created(out, plan.created)
+            sys.exit(EXIT_BAD_INPUT)
+        except Exception as e:  # noqa: BLE001 (a bug: one line, the traceback in a file)
+            line = _internal_error(e)
+            if multirun:
+                log.error("run %s failed: %s", out, line)
+                if not started:
+                    _record_failure(out, cfg, line)
+                return
+            print(line, file=sys.stderr)
+            sys.exit(1)
+        print(final_table(summary))
+        print(f"results in {out}")
+
+    task.__module__ = __name__
+    return task
+
+
+def _error_files(sweep: Path | None) -> dict[Path, int]:
+    from fedbench.runner import ERROR_FILE
+
+    if sweep is None or not sweep.is_dir():
+        return {}
+    return {p: p.stat().st_mtime_ns for p in sweep.rglob(ERROR_FILE)}
+
+
+def _terminated(signum: int, frame: object) -> None:
+    # Before the run's own handler is installed (setup) and after it (writing the summary).
+    print(f"fedbench: {signal.Signals(signum).name} before training started (nothing to "
+          "resume)", file=sys.stderr)  # fmt: skip
+    sys.exit(128 + signum)
 
 
 def main() -> None:
-    msg = check_overrides(sys.argv[1:]) or precheck(sys.argv[1:])
-    if msg:
-        print(msg, file=sys.stderr)
+    argv = sys.argv[1:]
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
+    try:
+        msg = check_overrides(argv)
+        if msg:
+            raise BadInput(msg)
+        plan = precheck(argv)
+    except BadInput as e:
+        print(e, file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    _app()
+    except KeyboardInterrupt:
+        print("fedbench: interrupted", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
+    before = _error_files(plan.sweep_dir)
+    sys.argv = [sys.argv[0], *argv, *plan.extra]
+    app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(
+        _make_task(plan)
+    )
+    try:
+        app()
+    except KeyboardInterrupt:
+        print("fedbench: interrupted", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
+    if plan.multirun:
+        failed = {p: t for p, t in _error_files(plan.sweep_dir).items() if before.get(p) != t}
+        for p in sorted(failed):
+            reason = p.read_text().strip().removeprefix("fedbench: ")
+            print(f"fedbench: job {p.parent.relative_to(plan.sweep_dir)} failed: {reason}",
+                  file=sys.stderr)  # fmt: skip
+        if failed:
+            sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,24 @@
 """The round loop: build the federation, model, engine and algorithm from a config; sample
 clients; train; evaluate every `eval.every` rounds and at the end; write metrics.
 
-Files written into the run directory (all atomically): partition.json, metrics.csv,
-clients.csv, summary.json (shapes in specs/metrics.md).
+`Run(cfg, out)` checks and builds everything and writes nothing; `Run.run()` claims the run
+directory (fedbench/rundir.py: a lock for the run's life; another run's directory only with
+resume=true), then writes into it: partition.json, summary.json and checkpoint.pt atomically,
+metrics.csv and clients.csv by appended rows (a resume cuts them back to its checkpoint),
+run.log. SIGTERM (SLURM's preemption and time-out signal) and Ctrl-C finish the round under
+way, save a checkpoint and raise `Interrupted`; a second one stops at once.
 """
 
 from __future__ import annotations
 
-import io
+import contextlib
 import logging
 import math
+import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -23,20 +31,24 @@ from tqdm import tqdm
 import fedbench
 from fedbench.algorithms import ALGORITHMS
 from fedbench.algorithms.base import FLOAT_BYTES
-from fedbench.algorithms.params import check_params
 from fedbench.attack import Attack
+from fedbench.config import check_config
 from fedbench.data.federation import Federation
 from fedbench.data.sources import load_dataset
 from fedbench.data.splits import eval_sets, make_partition
 from fedbench.engine import Engine
 from fedbench.errors import ConfigError, FedbenchError
 from fedbench.evaluation import SETS, evaluate, summaries
-from fedbench.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from fedbench.io import CsvAppender, atomic_write, atomic_write_json, atomic_write_text
 from fedbench.models import build_model
+from fedbench.rundir import RunDir, holds_run
 
 log = logging.getLogger("fedbench")
 
 CHECKPOINT = "checkpoint.pt"
+# A run that stopped on an error says why here (fedbench-report lists it); a run that then
+# finishes (resumed) removes it.
+ERROR_FILE = "error.txt"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -67,23 +79,100 @@ def clients_per_round(participation: float | int, n: int) -> int:
 
 
 def validate(cfg: DictConfig) -> None:
-    """Top-level numbers Hydra does not type-check: one clear line instead of a traceback."""
-    for key in ("rounds", "clients", "local_epochs", "batch_size", "seed"):
-        v = cfg.get(key)
-        minimum = 0 if key == "seed" else 1
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise ConfigError(f"{key}={v!r} must be an integer >= {minimum}")
-    if not isinstance(cfg.eval.every, int) or cfg.eval.every < 1:
-        raise ConfigError(f"eval.every={cfg.eval.every!r} must be an integer >= 1")
+    """Every key of the config, its type and range (fedbench/config.py): one clear line
+    instead of a traceback or a run with a nonsensical value."""
+    check_config(cfg)
 
 
-# Keys a resumed run may change: how long it runs, how it is evaluated and checkpointed, where
-# it computes and finds its files. Everything else decides the run's numbers: a resume that
-# changes it stops. (`rounds` may grow: APPLE's L = l_frac * rounds and FedSpa's cosine
+# A client test set smaller than this gives accuracies in steps of more than 10 points: the
+# split is warned about (clients=10000 with pat-2 on FMNIST leaves each client one sample).
+MIN_TEST_SAMPLES = 10
+
+
+class Interrupted(FedbenchError):
+    """SIGTERM or Ctrl-C stopped the run; `saved` says whether a checkpoint holds its last
+    round. The CLI prints the message and exits with 128 + the signal's number."""
+
+    def __init__(self, signum: int, next_round: int, saved: bool, out: Path) -> None:
+        self.signum = signum
+        name = signal.Signals(signum).name
+        if saved:
+            msg = (
+                f"{name}: stopped after round {next_round}, checkpoint saved; continue with "
+                f"resume=true hydra.run.dir={out}"
+            )
+        else:
+            msg = f"{name}: stopped at round {next_round} without a checkpoint of it"
+        super().__init__(msg)
+
+
+class _Stop:
+    """What the signal handlers saw: the first signal's number, or 0."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+
+
+@contextmanager
+def _graceful(out: Path, progress: dict) -> Iterator[_Stop]:
+    """SIGTERM / SIGINT: the first asks the loop to stop after the round under way (it then
+    checkpoints); a second raises at once. Outside the main thread (a threads launcher)
+    signals are not ours to handle: nothing is installed."""
+    stop = _Stop()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        if stop.signum:
+            raise Interrupted(signum, progress["next_round"], False, out)
+        stop.signum = signum
+        log.warning(
+            "%s: finishing round %d, then saving a checkpoint (again: stop at once)",
+            signal.Signals(signum).name,
+            progress["next_round"] + 1,
+        )
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+class _QuietFileHandler(logging.FileHandler):
+    """The run's log file; a write that fails (a full disk) turns it off without the
+    logging module's traceback on stderr."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        self.close()
+        logging.getLogger().removeHandler(self)
+
+
+@contextmanager
+def _log_file(path: Path) -> Iterator[None]:
+    handler = _QuietFileHandler(path, mode="a", encoding="utf-8", delay=True)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+
+
+# Keys a resumed run may change: how long it runs, how often it is evaluated and
+# checkpointed, where it computes and finds its files. Everything else decides the run's
+# numbers or a column's meaning (eval.s_frac makes the S sets, eval.tail top5/bottom5): a
+# resume that changes it stops. (`rounds` may grow: APPLE's L = l_frac * rounds and FedSpa's cosine
 # schedule follow it.)
 RESUME_MAY_CHANGE = (
     "rounds",
-    "eval",
+    "eval.every",
+    "eval.batch_size",
     "checkpoint",
     "device",
     "engine",
@@ -118,10 +207,31 @@ def resume_differences(saved: dict, now: dict) -> list[str]:
     return out
 
 
+class CheckpointError(FedbenchError):
+    """checkpoint.pt cannot be read (cut off, corrupted, or not fedbench's)."""
+
+
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict:
+    """The checkpoint's state, or CheckpointError (one line) when it cannot be read."""
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=False)
+        if not isinstance(state, dict) or "progress" not in state or "algo" not in state:
+            raise ValueError("not a fedbench checkpoint")
+        int(state["progress"]["next_round"])
+        return state
+    except Exception as e:  # noqa: BLE001 (torch/pickle/zip raise many kinds for one fault)
+        raise CheckpointError(
+            f"resume=true: {path} cannot be read ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:160]}); it was cut off or corrupted: restore it, or "
+            "start a new run directory"
+        ) from None
+
+
 def check_resume(cfg: DictConfig, out: str | Path) -> None:
     """With resume=true: raise ConfigError (one line, before any file is written) unless the
-    checkpoint in `out` was written by a run of this config, up to RESUME_MAY_CHANGE, and
-    `rounds` is at least the rounds it has done."""
+    run in `out` was started by this config, up to RESUME_MAY_CHANGE (the checkpoint's
+    config, or .hydra/config.yaml for a run killed before its first checkpoint), and `rounds`
+    is at least the rounds it has done."""
     out = Path(out)
     path = out / CHECKPOINT
     if not path.exists():
@@ -130,24 +240,40 @@ def check_resume(cfg: DictConfig, out: str | Path) -> None:
                 f"resume=true: {out} holds a finished run without {CHECKPOINT} "
                 "(checkpoint.every=0); start a new run directory"
             )
+        saved_cfg = out / ".hydra" / "config.yaml"
+        if saved_cfg.is_file():
+            try:
+                saved = _plain(OmegaConf.load(saved_cfg))
+            except Exception as e:  # noqa: BLE001 (a corrupt YAML: one line)
+                raise ConfigError(f"resume=true: {saved_cfg} cannot be read ({e})") from None
+            _refuse_differences(saved, cfg, saved_cfg)
+        elif holds_run(out):
+            raise ConfigError(
+                f"resume=true: {out} holds run files ({', '.join(holds_run(out))}) but no "
+                "checkpoint or config to check them against; start a new run directory"
+            )
         return
-    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    state = load_checkpoint(path)
     saved = state.get("config")
     if saved is None:
         log.warning("%s has no saved config (an older fedbench): resuming unchecked", path)
         return
-    diff = resume_differences(saved, _plain(cfg))
-    if diff:
-        raise ConfigError(
-            f"resume=true: the config differs from {path}'s in {', '.join(diff)}; resume with "
-            f"the checkpoint's values or start a new run directory (only "
-            f"{', '.join(RESUME_MAY_CHANGE)} may change)"
-        )
+    _refuse_differences(saved, cfg, path)
     done = int(state["progress"]["next_round"])
     if int(cfg.rounds) < done:
         raise ConfigError(
             f"resume=true: rounds={cfg.rounds} but {path} has {done} rounds done; "
             f"rounds must be >= {done}"
+        )
+
+
+def _refuse_differences(saved: dict, cfg: DictConfig, source: Path) -> None:
+    diff = resume_differences(saved, _plain(cfg))
+    if diff:
+        raise ConfigError(
+            f"resume=true: the config differs from {source}'s in {', '.join(diff)}; resume "
+            f"with its values or start a new run directory (only "
+            f"{', '.join(RESUME_MAY_CHANGE)} may change)"
         )
 
 
@@ -164,7 +290,6 @@ class Run:
         self.progress = progress
         validate(cfg)
         algo_cls = ALGORITHMS.get(str(cfg.algo.name))
-        check_params(cfg.algo, algo_cls.Params, str(cfg.algo.name))
         if cfg.resume:
             check_resume(cfg, self.out)
         self.device = resolve_device(str(cfg.device))
@@ -182,6 +307,7 @@ class Run:
         self.partition = make_partition(
             data.y_train.numpy(), data.y_test.numpy(), n, seed, split, scfg
         )
+        _warn_small_tests(self.partition.test)
         s_idx, g_idx = eval_sets(self.partition, seed, float(cfg.eval.s_frac))
         self.eval_sets = {"S": [i.tolist() for i in s_idx], "G": [i.tolist() for i in g_idx]}
         self.fed = Federation(
@@ -218,6 +344,7 @@ class Run:
             self.algo.attack = self.attack
         self.honest = None if self.attack is None else self.attack.honest
         self._warned_collapse = False  # one warning per run when an attacked run diverges
+        self._ckpt_logged = False  # the checkpoint's size is logged once
         self.per_round = clients_per_round(cfg.participation, n)
         self.sampler = np.random.default_rng([seed, 7])
 
@@ -228,9 +355,27 @@ class Run:
             return np.arange(n)
         return np.sort(self.sampler.choice(n, self.per_round, replace=False))
 
-    def run(self) -> dict:
+    def run(self, hydra_files: dict[str, str] | None = None) -> dict:
+        """Claim the run directory, train and evaluate, write the results; returns the
+        summary. `hydra_files` ({relative path: text}, e.g. Hydra's `.hydra/hydra.yaml`)
+        are written once the directory is claimed; `.hydra/config.yaml` always is."""
+        with RunDir.claim(self.out, resume=bool(self.cfg.resume)):
+            files = {".hydra/config.yaml": OmegaConf.to_yaml(self.cfg), **(hydra_files or {})}
+            for rel, text in files.items():
+                atomic_write_text(self.out / rel, text)
+            with _log_file(self.out / "run.log"):
+                try:
+                    summary = self._run()
+                except Exception as e:
+                    log.error("%s", e, exc_info=not isinstance(e, FedbenchError))
+                    with contextlib.suppress(OSError, FedbenchError):
+                        atomic_write_text(self.out / ERROR_FILE, f"{e}\n")
+                    raise
+                (self.out / ERROR_FILE).unlink(missing_ok=True)
+                return summary
+
+    def _run(self) -> dict:
         cfg = self.cfg
-        self.out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(
             self.out / "partition.json", {**self.partition.to_json(), "eval_sets": self.eval_sets}
         )
@@ -247,23 +392,26 @@ class Run:
         )
         log.info("partition:\n%s", self.partition.summary(self.labels_pool, self.num_classes))
         rounds = int(cfg.rounds)
-        every = max(1, int(cfg.eval.every))
-        ckpt_every = int(cfg.checkpoint.every or 0)
+        every = int(cfg.eval.every)
+        ckpt_every = int(cfg.checkpoint.every)
         tail = float(cfg.eval.tail)
         # Everything the loop accumulates: checkpointed with the algorithm so that a resumed
-        # run ends exactly as an uninterrupted one.
-        self.progress_state = {
+        # run ends exactly as an uninterrupted one. metrics.csv (one row per evaluation, small)
+        # rides along whole, so a resume can restore it; clients.csv only by its length.
+        st = {
             "next_round": 0,
             "elapsed_s": 0.0,
             "comm": {"bytes_up": 0, "bytes_down": 0},
             "best": None,
             "final": None,
-            "metric_rows": [],
-            "client_rows": [],
+            "size": None,
+            "metrics_csv": b"",
+            "clients_len": 0,
         }
-        if cfg.resume:
-            self._restore()
-        st = self.progress_state
+        if cfg.resume and (self.out / CHECKPOINT).exists():
+            st = self._restore()
+        metrics = _appender(self.out / "metrics.csv", st["metrics_csv"])
+        clients = _clients_appender(self.out / "clients.csv", st["clients_len"])
         comm = st["comm"]
         t0 = time.perf_counter() - st["elapsed_s"]
         bar = tqdm(
@@ -274,48 +422,42 @@ class Run:
             initial=st["next_round"],
             total=rounds,
         )
-        for t in bar:
-            clients = self.sample()
-            info = self.algo.round(t, clients)
-            comm["bytes_up"] += int(info.get("bytes_up", 0))
-            comm["bytes_down"] += int(info.get("bytes_down", 0))
-            if (t + 1) % every == 0 or t + 1 == rounds:
-                loss = float(info.get("train_loss", float("nan")))
-                if not math.isfinite(loss):
-                    if self.attack is None:
-                        raise FedbenchError(
-                            f"training diverged at round {t + 1} (loss {loss}); lower optim.lr"
-                        )
-                    # under attack a collapse is the outcome measured (FedPG Table 3): go on
-                    if not self._warned_collapse:
-                        self._warned_collapse = True
-                        log.warning(
-                            "training diverged at round %d under attack.kind=%s (loss %s); "
-                            "the run goes on and scores the collapsed models",
-                            t + 1,
-                            cfg.attack.kind,
-                            loss,
-                        )
-                res = evaluate(self.algo, self.fed, tail, honest=self.honest)
-                summ = summaries(res)
-                row = {"round": t + 1, "wall_time_s": time.perf_counter() - t0, "train_loss": loss}
-                row.update(comm)
-                row.update(diagnostics(info))
-                row.update(size_columns(self.algo, comm, t + 1, info, len(clients)))
-                row.update(_flatten(summ))
-                st["metric_rows"].append(row)
-                st["client_rows"].append(_client_frame(t + 1, res))
-                st["final"] = {"round": t + 1, **summ}
-                if st["best"] is None or _key(st["final"]) > _key(st["best"]):
-                    st["best"] = st["final"]
-                self._write_metrics()
-                bar.set_postfix_str(_postfix(summ))
-            st["next_round"] = t + 1
-            # the last round too: a finished run can be extended (rounds=<more> resume=true)
-            if ckpt_every and ((t + 1) % ckpt_every == 0 or t + 1 == rounds):
-                st["elapsed_s"] = time.perf_counter() - t0
-                self._checkpoint()
+        with _graceful(self.out, st) as stop:
+            for t in bar:
+                chosen = self.sample()
+                info = self.algo.round(t, chosen)
+                comm["bytes_up"] += int(info.get("bytes_up", 0))
+                comm["bytes_down"] += int(info.get("bytes_down", 0))
+                if (t + 1) % every == 0 or t + 1 == rounds:
+                    loss = self._check_loss(info, t)
+                    res = evaluate(self.algo, self.fed, tail, honest=self.honest)
+                    summ = summaries(res)
+                    row = {"round": t + 1, "wall_time_s": time.perf_counter() - t0}
+                    row["train_loss"] = loss
+                    row.update(comm)
+                    row.update(diagnostics(info))
+                    row.update(size_columns(self.algo, comm, t + 1, info, len(chosen)))
+                    row.update(_flatten(summ))
+                    metrics.append([row])
+                    clients.append(_client_frame(t + 1, res).to_dict("records"))
+                    st["size"] = {k: row[k] for k in SIZE_KEYS if k in row}
+                    st["final"] = {"round": t + 1, **summ}
+                    if st["best"] is None or _key(st["final"]) > _key(st["best"]):
+                        st["best"] = st["final"]
+                    bar.set_postfix_str(_postfix(summ))
+                st["next_round"] = t + 1
+                # the last round too: a finished run can be extended (rounds=<more> resume=true)
+                due = ckpt_every and ((t + 1) % ckpt_every == 0 or t + 1 == rounds)
+                if due or stop.signum:
+                    st["elapsed_s"] = time.perf_counter() - t0
+                    self._checkpoint(st, metrics, clients)
+                if stop.signum and t + 1 < rounds:
+                    bar.close()
+                    raise Interrupted(stop.signum, t + 1, True, self.out)
+        bar.close()
         wall = time.perf_counter() - t0
+        if st["final"] is None:
+            raise FedbenchError(f"{self.out}: no evaluation was made (rounds={rounds})")
         summary = {
             "algo": str(cfg.algo.name),
             "data": str(cfg.data.name),
@@ -332,17 +474,38 @@ class Run:
             "best": st["best"],
             "malicious": 0 if self.attack is None else self.attack.count,
         }
-        if st["metric_rows"]:
-            last = st["metric_rows"][-1]
-            summary["size"] = {k: last[k] for k in SIZE_KEYS if k in last}
+        if st["size"]:
+            summary["size"] = st["size"]
         atomic_write_json(self.out / "summary.json", summary)
         return summary
 
+    def _check_loss(self, info: dict, t: int) -> float:
+        loss = float(info.get("train_loss", float("nan")))
+        if not math.isfinite(loss):
+            if self.attack is None:
+                raise FedbenchError(
+                    f"training diverged at round {t + 1} (loss {loss}); lower optim.lr"
+                )
+            # under attack a collapse is the outcome measured (FedPG Table 3): go on
+            if not self._warned_collapse:
+                self._warned_collapse = True
+                log.warning(
+                    "training diverged at round %d under attack.kind=%s (loss %s); "
+                    "the run goes on and scores the collapsed models",
+                    t + 1,
+                    self.cfg.attack.kind,
+                    loss,
+                )
+        return loss
+
     # ------------------------------------------------------------------ checkpoints
-    def _checkpoint(self) -> None:
-        """Algorithm state, engine optimizer state, RNG states and metrics so far, atomically."""
+    def _checkpoint(self, progress: dict, metrics: CsvAppender, clients: CsvAppender) -> None:
+        """Algorithm state, engine optimizer state, RNG states and the loop's progress,
+        streamed into place atomically (no second copy in memory)."""
+        progress["metrics_csv"] = _read_prefix(metrics.path, metrics.length)
+        progress["clients_len"] = clients.length
         state = {
-            "progress": self.progress_state,
+            "progress": progress,
             "algo": self.algo.state_dict(),
             "engine": self.engine.state_dict(),
             "sampler": self.sampler.bit_generator.state,
@@ -352,32 +515,94 @@ class Run:
             "version": fedbench.__version__,
             "config": _plain(self.cfg),  # resume=true checks the new config against it
         }
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        atomic_write_bytes(self.out / CHECKPOINT, buf.getvalue())
+        size = atomic_write(self.out / CHECKPOINT, lambda f: torch.save(state, f))
+        if not self._ckpt_logged:
+            self._ckpt_logged = True
+            every = int(self.cfg.checkpoint.every)
+            log.info("%s: %.1f MB (every %s rounds)", CHECKPOINT, size / 1e6, every or "no")
 
-    def _restore(self) -> None:
+    def _restore(self) -> dict:
+        """Load the checkpoint into the algorithm, engine and generators; cut metrics.csv and
+        clients.csv back to what it recorded. Returns the loop's progress."""
         path = self.out / CHECKPOINT
-        if not path.exists():  # check_resume refused a finished run without a checkpoint
-            log.info("resume=true but no %s in %s: starting from round 0", CHECKPOINT, self.out)
-            return
-        state = torch.load(path, map_location=self.device, weights_only=False)
-        self.progress_state = state["progress"]
+        state = load_checkpoint(path, map_location=self.device)
+        progress = _upgrade_progress(state["progress"])
         self.algo.load_state_dict(state["algo"])
         self.engine.load_state_dict(state["engine"])
         self.sampler.bit_generator.state = state["sampler"]
         self.fed.set_rng_state(state["augment"])
         if self.attack is not None and state.get("attack") is not None:
             self.attack.set_rng_state(state["attack"])
-        log.info("resumed from %s at round %d", path, self.progress_state["next_round"])
+        atomic_write(self.out / "metrics.csv", lambda f: f.write(progress["metrics_csv"]))
+        if "clients_csv_old" in progress:
+            old = progress.pop("clients_csv_old")
+            progress["clients_len"] = atomic_write(self.out / "clients.csv", lambda f: f.write(old))
+        cpath, want = self.out / "clients.csv", int(progress["clients_len"])
+        have = cpath.stat().st_size if cpath.exists() else 0
+        if have < want:
+            log.warning(
+                "clients.csv has %d bytes, the checkpoint recorded %d: per-client rows of "
+                "rounds up to %d are lost; the run appends from here",
+                have,
+                want,
+                progress["next_round"],
+            )
+            progress["clients_len"] = have
+        elif have > want:
+            with open(cpath, "r+b") as f:  # rows written after the checkpoint: made again
+                f.truncate(want)
+        log.info("resumed from %s at round %d", path, progress["next_round"])
+        return progress
 
-    def _write_metrics(self) -> None:
-        st = self.progress_state
-        atomic_write_text(
-            self.out / "metrics.csv", pd.DataFrame(st["metric_rows"]).to_csv(index=False)
+
+def _warn_small_tests(test_idx: list) -> None:
+    sizes = np.array([len(t) for t in test_idx])
+    few = int((sizes < MIN_TEST_SAMPLES).sum())
+    if few:
+        log.warning(
+            "split: %d of %d clients have fewer than %d test samples (smallest: %d), so their "
+            "accuracies move in steps of %.0f points or more; use fewer clients or more data "
+            "per client",
+            few,
+            sizes.size,
+            MIN_TEST_SAMPLES,
+            sizes.min(),
+            100 / max(1, MIN_TEST_SAMPLES - 1),
         )
-        frames = pd.concat(st["client_rows"], ignore_index=True)
-        atomic_write_text(self.out / "clients.csv", frames.to_csv(index=False))
+
+
+def _read_prefix(path: Path, length: int) -> bytes:
+    if length == 0:
+        return b""
+    with open(path, "rb") as f:
+        return f.read(length)
+
+
+def _appender(path: Path, text: bytes) -> CsvAppender:
+    """metrics.csv continued from `text` (its content at the checkpoint; b"": a new file)."""
+    header = text.split(b"\n", 1)[0].decode().split(",") if text else None
+    return CsvAppender(path, header, len(text))
+
+
+CLIENT_COLUMNS = ("round", "client", "model", "metric", "value")
+
+
+def _clients_appender(path: Path, length: int) -> CsvAppender:
+    return CsvAppender(path, CLIENT_COLUMNS, length)
+
+
+def _upgrade_progress(p: dict) -> dict:
+    """A checkpoint of fedbench <= 0.1.0 carried every metrics/clients row; as today's."""
+    if "metrics_csv" in p:
+        return p
+    rows, frames = p.pop("metric_rows", []), p.pop("client_rows", [])
+    p["metrics_csv"] = pd.DataFrame(rows).to_csv(index=False).encode() if rows else b""
+    p["clients_len"] = 0
+    if frames:
+        text = pd.concat(frames, ignore_index=True).to_csv(index=False).encode()
+        p["clients_csv_old"] = text
+    p["size"] = {k: rows[-1][k] for k in SIZE_KEYS if rows and k in rows[-1]}
+    return p
 
 
 ROUND_KEYS = ("train_loss", "bytes_up", "bytes_down")

@@ -130,7 +130,8 @@ def test_resume_differences_names_keys_outside_the_allowed_ones():
     ]
     assert set(RESUME_MAY_CHANGE) == {
         "rounds",
-        "eval",
+        "eval.every",
+        "eval.batch_size",
         "checkpoint",
         "device",
         "engine",
@@ -138,6 +139,11 @@ def test_resume_differences_names_keys_outside_the_allowed_ones():
         "data.root",
         "data.download",
     }
+    # eval.every may change, eval.s_frac (the S sets) and eval.tail (top5/bottom5) may not
+    assert resume_differences(
+        {"eval": {"every": 1, "s_frac": 0.5, "tail": 0.05}},
+        {"eval": {"every": 5, "s_frac": 0.2, "tail": 0.1}},
+    ) == ["eval.s_frac (0.5 -> 0.2)", "eval.tail (0.05 -> 0.1)"]
     # data.root may move, data.name may not
     assert (
         resume_differences(
@@ -187,8 +193,9 @@ def test_refused_resume_exits_2_and_leaves_the_directory_as_it_was(tmp_path):
         assert len(lines) == 1 and r.stdout == "", r.stderr
         for key in named:
             assert key in lines[0]
+        differing = lines[0].split("(only")[0]  # the list of keys that may change follows
         for allowed in ("rounds (", "eval.every", "device ("):
-            assert allowed not in lines[0]
+            assert allowed not in differing
         assert snapshot(run_dir) == before
 
 
