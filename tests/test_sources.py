@@ -7,6 +7,7 @@ import os
 import pickle
 import shutil
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -65,8 +66,8 @@ def cifar_batch(rng, n, label_key, num_classes):
     return {b"batch_label": b"x", b"data": data, label_key: labels, b"filenames": []}
 
 
-def write_cifar10(root: Path, per_batch=4, n_test=10):
-    rng = np.random.default_rng(1)
+def write_cifar10(root: Path, per_batch=4, n_test=10, seed=1):
+    rng = np.random.default_rng(seed)
     d = root / "cifar-10-batches-py"
     batches = [cifar_batch(rng, per_batch, b"labels", 10) for _ in range(5)]
     for i, b in enumerate(batches, 1):
@@ -102,8 +103,51 @@ def write_tinyimagenet(root: Path):
     return colours
 
 
-def write_pathmnist(root: Path):
-    rng = np.random.default_rng(2)
+def write_bmp_as_jpeg(path: Path, colour) -> None:
+    """A 64x64 image in BMP bytes under a .JPEG name (PIL goes by content): unlike a JPEG,
+    its size does not depend on the pixels, so two colours give files of equal size."""
+    Image.new("RGB", (64, 64), colour).save(path, format="BMP")
+
+
+# -------------------------------------------------------------------- file damage
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def flip_byte(path: Path, at: int) -> None:
+    """Invert byte ``at`` (negative: from the end)."""
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def replace_with_garbage(path: Path) -> None:
+    path.write_bytes(b"<html><body>503 Service Unavailable</body></html>\n" * 40)
+
+
+def age(root: Path, seconds: float) -> None:
+    """Set the mtime of every raw file under ``root`` (not the cache) ``seconds`` in the past."""
+    when = time.time() - seconds
+    for p in root.rglob("*"):
+        if p.is_file() and CACHE_DIR not in p.parts:
+            os.utime(p, (when, when))
+
+
+def bad_file_error(root: Path, name: str, path: Path, **params) -> str:
+    """The one-line DataError loading ``name`` gives, which must name ``path``. Any other
+    exception type escapes pytest.raises and fails the test."""
+    with pytest.raises(DataError) as exc:
+        load_dataset(name, root, download=False, **params)
+    msg = str(exc.value)
+    assert "\n" not in msg and str(path) in msg, msg
+    return msg
+
+
+def write_pathmnist(root: Path, seed=2):
+    rng = np.random.default_rng(seed)
     arrays = {}
     for split, n in (("train", 20), ("val", 5), ("test", 10)):
         arrays[f"{split}_images"] = rng.integers(0, 256, (n, 28, 28, 3), dtype=np.uint8)
@@ -378,3 +422,401 @@ def test_real_fmnist_from_debian_package(tmp_path, monkeypatch):
     assert ds.y_train.bincount().tolist() == [6000] * 10
     assert ds.y_test.bincount().tolist() == [1000] * 10
     assert (tmp_path / CACHE_DIR / "fmnist.pt").is_file()  # cached under root, not /usr/share
+
+
+# ------------------------------------------------- damaged files: one line, naming the file
+
+
+def write_cifar100(root: Path):
+    rng = np.random.default_rng(5)
+    d = root / "cifar-100-python"
+    write_pickle(d / "train", cifar_batch(rng, 8, b"fine_labels", 100))
+    write_pickle(d / "test", cifar_batch(rng, 4, b"fine_labels", 100))
+
+
+TINY = Path("tiny-imagenet-200")
+FMNIST_FIX = "data.download=true"
+CIFAR_FIX = "python.tar.gz into data.root again"
+TINY_FIX = "unzip http://cs231n.stanford.edu/tiny-imagenet-200.zip into data.root again"
+PATHMNIST_FIX = "pathmnist.npz again"
+MIDDLE = "middle"  # flip_byte position: inside gzip's / zip's checksummed payload
+
+# (dataset, writer, damaged file relative to root, damage, words the message must hold)
+DAMAGE = [
+    ("fmnist", write_fmnist, "train-images-idx3-ubyte.gz", truncate, ("truncated", FMNIST_FIX)),
+    ("fmnist", write_fmnist, "train-images-idx3-ubyte.gz", MIDDLE, ("corrupt", FMNIST_FIX)),
+    ("fmnist", write_fmnist, "t10k-labels-idx1-ubyte.gz", 0, ("not an IDX file", FMNIST_FIX)),
+    ("fmnist", write_fmnist, "t10k-labels-idx1-ubyte.gz", replace_with_garbage, (FMNIST_FIX,)),
+    (
+        "cifar10",
+        write_cifar10,
+        "cifar-10-batches-py/data_batch_3",
+        truncate,
+        ("truncated", CIFAR_FIX),
+    ),
+    ("cifar10", write_cifar10, "cifar-10-batches-py/test_batch", 0, ("corrupt", CIFAR_FIX)),
+    (
+        "cifar10",
+        write_cifar10,
+        "cifar-10-batches-py/data_batch_1",
+        replace_with_garbage,
+        (CIFAR_FIX,),
+    ),
+    ("cifar100", write_cifar100, "cifar-100-python/train", truncate, ("truncated", "cifar-100")),
+    ("cifar100", write_cifar100, "cifar-100-python/test", replace_with_garbage, ("cifar-100",)),
+    (
+        "tinyimagenet",
+        write_tinyimagenet,
+        TINY / "train/n02000000/images/n02000000_1.JPEG",
+        truncate,
+        ("truncated", TINY_FIX),
+    ),
+    (
+        "tinyimagenet",
+        write_tinyimagenet,
+        TINY / "train/n01000000/images/n01000000_0.JPEG",
+        0,
+        ("corrupt", TINY_FIX),
+    ),
+    (
+        "tinyimagenet",
+        write_tinyimagenet,
+        TINY / "val/images/val_1.JPEG",
+        replace_with_garbage,
+        (TINY_FIX,),
+    ),
+    ("pathmnist", write_pathmnist, "pathmnist.npz", truncate, ("truncated", PATHMNIST_FIX)),
+    ("pathmnist", write_pathmnist, "pathmnist.npz", MIDDLE, ("corrupt", PATHMNIST_FIX)),
+    (
+        "pathmnist",
+        write_pathmnist,
+        "pathmnist.npz",
+        replace_with_garbage,
+        ("not an npz", PATHMNIST_FIX),
+    ),
+]
+
+
+def _damage_id(case) -> str:
+    name, _, rel, damage, _ = case
+    how = damage if isinstance(damage, str) else getattr(damage, "__name__", f"flip{damage}")
+    return f"{name}-{Path(rel).name}-{how}"
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("case", DAMAGE, ids=[_damage_id(c) for c in DAMAGE])
+def test_damaged_file_is_one_line_data_error_naming_it(tmp_path, case):
+    name, write, rel, damage, words = case
+    write(tmp_path)
+    f = tmp_path / rel
+    if damage == MIDDLE:
+        flip_byte(f, f.stat().st_size // 2)
+    elif isinstance(damage, int):
+        flip_byte(f, damage)
+    else:
+        damage(f)
+    msg = bad_file_error(tmp_path, name, f)
+    for w in words:
+        assert w in msg, msg
+
+
+@pytest.mark.quick
+def test_damaged_file_is_an_error_even_with_a_cache_of_the_old_one(tmp_path):
+    write_fmnist(tmp_path)
+    load_dataset("fmnist", tmp_path, download=False)  # cache of the sound files
+    f = tmp_path / "train-images-idx3-ubyte.gz"
+    truncate(f)
+    bad_file_error(tmp_path, "fmnist", f)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "fname,edit,words",
+    [
+        # Cut inside the 16-byte header of the images file.
+        ("train-images-idx3-ubyte", lambda b: b[:10], ("truncated", "header")),
+        ("train-images-idx3-ubyte", lambda b: b + b"\0" * 7, ("corrupt", "(20, 28, 28)")),
+        # The third magic byte says "unsigned bytes"; flipped, the file is something else.
+        ("t10k-images-idx3-ubyte", lambda b: b[:2] + b"\xf7" + b[3:], ("bad magic",)),
+        # The first label (byte 8, after magic and count) becomes 255: not a class.
+        ("train-labels-idx1-ubyte", lambda b: b[:8] + b"\xff" + b[9:], ("labels span 0..255",)),
+        # Images and labels of different lengths (a file from another release).
+        (
+            "t10k-labels-idx1-ubyte",
+            lambda b: b[:4] + struct.pack(">I", 9) + b[8:17],
+            ("holds 9 labels", "10 images"),
+        ),
+    ],
+    ids=["header-cut", "extra-bytes", "bad-magic", "label-out-of-range", "count-mismatch"],
+)
+def test_fmnist_inconsistent_idx_is_data_error_naming_it(tmp_path, fname, edit, words):
+    write_fmnist(tmp_path, gz=False)
+    f = tmp_path / fname
+    f.write_bytes(edit(f.read_bytes()))
+    msg = bad_file_error(tmp_path, "fmnist", f)
+    for w in words:
+        assert w in msg, msg
+    assert FMNIST_FIX in msg and "dataset-fashion-mnist" in msg
+
+
+@pytest.mark.quick
+def test_damaged_system_fmnist_says_reinstall_the_package(tmp_path, monkeypatch):
+    system = tmp_path / "usr-share" / "fashion-mnist"
+    write_fmnist(system)
+    monkeypatch.setattr(sources, "FMNIST_SYSTEM_DIRS", (system,))
+    f = system / "train-labels-idx1-ubyte.gz"
+    truncate(f)
+    msg = bad_file_error(tmp_path / "root", "fmnist", f)
+    assert "apt-get install --reinstall dataset-fashion-mnist" in msg
+
+
+@pytest.mark.quick
+def test_cifar_batch_with_labels_out_of_range_names_it(tmp_path):
+    batches, test = write_cifar10(tmp_path)
+    test[b"labels"][3] = 10
+    f = tmp_path / "cifar-10-batches-py" / "test_batch"
+    write_pickle(f, test)
+    assert "labels span 0..10" in bad_file_error(tmp_path, "cifar10", f)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "rel,content,words",
+    [
+        ("wnids.txt", b"\xff\xfe\x00garbage\x9c", ("wnids.txt", "UnicodeDecodeError")),
+        ("wnids.txt", b"n01000000\nn09999999\n", ("'n09999999'", "no images")),
+        (
+            "val/val_annotations.txt",
+            b"val_0.JPEG\tn02000000\t0\t0\t63\t63\nval_1.JP",  # cut mid-line
+            ("line 2", "truncated"),
+        ),
+    ],
+    ids=["wnids-not-text", "wnids-unknown-class", "annotations-cut"],
+)
+def test_tinyimagenet_damaged_index_file_names_it(tmp_path, rel, content, words):
+    write_tinyimagenet(tmp_path)
+    f = tmp_path / TINY / rel
+    f.write_bytes(content)
+    msg = bad_file_error(tmp_path, "tinyimagenet", f)
+    for w in words:
+        assert w in msg, msg
+    assert TINY_FIX in msg
+
+
+@pytest.mark.quick
+def test_unreadable_file_says_why(tmp_path, monkeypatch):
+    write_fmnist(tmp_path)
+    f = tmp_path / "t10k-images-idx3-ubyte.gz"
+    real = Path.read_bytes
+
+    def denied(self):
+        if self == f:  # as if chmod 000 (tests may run as root, which ignores modes)
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    msg = bad_file_error(tmp_path, "fmnist", f)
+    assert "cannot be read (Permission denied)" in msg and "permissions" in msg
+
+
+@pytest.mark.quick
+def test_failed_download_names_the_partial_archive_it_left(tmp_path, monkeypatch):
+    import torchvision.datasets as tvd
+
+    archive = tmp_path / "cifar-10-python.tar.gz"
+    archive.write_bytes(gzip.compress(b"half a tar")[:12])  # an interrupted download
+
+    class CorruptArchive:  # what torchvision says when the archive fails its MD5
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("File not found or corrupted.")
+
+    monkeypatch.setattr(tvd, "CIFAR10", CorruptArchive)
+    with pytest.raises(DataError) as exc:
+        load_dataset("cifar10", tmp_path, download=True)
+    msg = str(exc.value)
+    assert "\n" not in msg and "corrupted" in msg
+    assert f"{archive} may be truncated or corrupt: delete it and retry" in msg
+
+
+@pytest.mark.quick
+def test_root_that_is_a_file_is_data_error(tmp_path, monkeypatch):
+    write_fmnist(tmp_path / "fashion-mnist")
+    not_a_dir = tmp_path / "root.txt"
+    not_a_dir.write_text("")
+    monkeypatch.setattr(sources, "FMNIST_SYSTEM_DIRS", (tmp_path / "fashion-mnist",))
+    for name in ("fmnist", "cifar10", "pathmnist"):
+        with pytest.raises(DataError) as exc:  # not quietly the system copy, for FMNIST
+            load_dataset(name, not_a_dir, download=True)
+        assert str(exc.value) == f"data.root={not_a_dir} is a file, not a directory"
+    monkeypatch.setenv("FEDBENCH_DATA", str(not_a_dir))
+    with pytest.raises(DataError, match="FEDBENCH_DATA.*is a file, not a directory"):
+        load_dataset("fmnist", None, download=False)
+
+
+# --------------------------------------------------------- the cache: rebuilt, never wrong
+
+
+def count_calls(monkeypatch, fn_name: str) -> list:
+    """Record each call of sources.<fn_name> (the loaders look it up at call time)."""
+    calls = []
+    real = getattr(sources, fn_name)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sources, fn_name, counted)
+    return calls
+
+
+def _flip_in_tensor_data(cache: Path, pixels: bytes) -> None:
+    # torch.save stores tensor bytes uncompressed: find a run of the images and flip it.
+    at = cache.read_bytes().find(pixels[1000:1064])
+    assert at > 0
+    flip_byte(cache, at)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "flip-pixel"])
+def test_damaged_cache_is_rebuilt_with_a_warning(tmp_path, monkeypatch, caplog, damage):
+    xtr, *_ = write_fmnist(tmp_path)
+    load_dataset("fmnist", tmp_path, download=False)
+    cache = tmp_path / CACHE_DIR / "fmnist.pt"
+    if damage == "truncate":
+        truncate(cache)
+    elif damage == "garbage":
+        replace_with_garbage(cache)
+    else:  # no error from torch.load: only the cache's own checksums see it
+        _flip_in_tensor_data(cache, xtr.tobytes())
+    decodes = count_calls(monkeypatch, "_read_idx")
+    with caplog.at_level("WARNING", logger="fedbench"):
+        ds = load_dataset("fmnist", tmp_path, download=False)
+    assert torch.equal(ds.x_train[:, 0], torch.from_numpy(xtr))
+    assert len(decodes) == 4  # rebuilt from the four raw files
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and str(cache) in warned[0] and "rebuilding" in warned[0]
+    # ...and the rebuilt cache is sound: the next load decodes nothing, warns nothing.
+    caplog.clear()
+    again = load_dataset("fmnist", tmp_path, download=False)
+    assert torch.equal(again.x_train, ds.x_train) and len(decodes) == 4
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+@pytest.mark.quick
+def test_cache_of_an_older_format_is_rebuilt(tmp_path):
+    xtr, *_ = write_fmnist(tmp_path)
+    (tmp_path / CACHE_DIR).mkdir()
+    wrong = {k: torch.zeros(1, dtype=torch.uint8) for k in sources._SPLITS}
+    torch.save({"format": 1, "tensors": wrong}, tmp_path / CACHE_DIR / "fmnist.pt")
+    ds = load_dataset("fmnist", tmp_path, download=False)
+    assert torch.equal(ds.x_train[:, 0], torch.from_numpy(xtr))
+
+
+def _fmnist_set(root: Path, seed: int):
+    xtr, ytr, *_ = write_fmnist(root, gz=False, seed=seed)  # uncompressed: same size per seed
+    return torch.from_numpy(xtr).unsqueeze(1), torch.from_numpy(ytr.astype(np.int64))
+
+
+def _cifar10_set(root: Path, seed: int):
+    batches, _ = write_cifar10(root, seed=seed)
+    x = np.concatenate([b[b"data"] for b in batches]).reshape(-1, 3, 32, 32)
+    return torch.from_numpy(x), torch.tensor([v for b in batches for v in b[b"labels"]])
+
+
+def _pathmnist_set(root: Path, seed: int):
+    a = write_pathmnist(root, seed=seed)
+    x = torch.from_numpy(a["train_images"]).permute(0, 3, 1, 2)
+    return x, torch.from_numpy(a["train_labels"].ravel().astype(np.int64))
+
+
+def _tinyimagenet_set(root: Path, seed: int):
+    # Set B differs from A in one image only, of the same name and byte size.
+    if not (root / TINY).exists():
+        write_tinyimagenet(root)
+    colour = (250, 0, 0) if seed == 0 else (10, 20, 30)
+    f = root / TINY / "train" / "n01000000" / "images" / "n01000000_0.JPEG"
+    write_bmp_as_jpeg(f, colour)
+    return torch.tensor(colour, dtype=torch.uint8).view(1, 3, 1, 1).expand(1, 3, 64, 64), None
+
+
+SETS = {
+    "fmnist": _fmnist_set,
+    "cifar10": _cifar10_set,
+    "pathmnist": _pathmnist_set,
+    "tinyimagenet": _tinyimagenet_set,
+}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", sorted(SETS))
+def test_replaced_raw_files_with_an_older_mtime_are_loaded(tmp_path, name):
+    """tar, cp -p and rsync -a give replacement files their source's (older) mtime. Each set
+    function writes set A (0) or B (1) and returns the first training images and labels."""
+    x_a, _ = SETS[name](tmp_path, 0)
+    age(tmp_path, 10_000)  # past the racy window: the cache will trust these stamps
+    sizes = {p: p.stat().st_size for p in tmp_path.rglob("*") if p.is_file()}
+    first = load_dataset(name, tmp_path, download=False)
+    assert torch.equal(first.x_train[: len(x_a)], x_a)
+    x_b, y_b = SETS[name](tmp_path, 1)
+    age(tmp_path, 20_000)  # B is older than A, and older than the cache
+    if name in ("fmnist", "tinyimagenet"):  # only the content tells A and B apart
+        assert {p: p.stat().st_size for p in sizes} == sizes
+    second = load_dataset(name, tmp_path, download=False)
+    assert not torch.equal(x_a, x_b)
+    assert torch.equal(second.x_train[: len(x_b)], x_b)
+    if y_b is not None:
+        assert torch.equal(second.y_train[: len(y_b)], y_b)
+    else:  # tinyimagenet: the other images are as before
+        assert torch.equal(second.x_train[1:], first.x_train[1:])
+
+
+@pytest.mark.quick
+def test_unchanged_sources_are_neither_decoded_nor_rehashed(tmp_path, monkeypatch):
+    xtr, *_ = write_fmnist(tmp_path)
+    decodes = count_calls(monkeypatch, "_read_idx")
+    hashes = count_calls(monkeypatch, "_digest")
+    load_dataset("fmnist", tmp_path, download=False)
+    assert (len(decodes), len(hashes)) == (4, 4)
+    # Just written (within the racy window): the stamps are not trusted yet, the content is
+    # checked instead, and found unchanged.
+    load_dataset("fmnist", tmp_path, download=False)
+    assert (len(decodes), len(hashes)) == (4, 8)
+    # Only the mtimes change (touch): re-hashed once, not decoded; the new stamps are kept...
+    age(tmp_path, 10_000)
+    load_dataset("fmnist", tmp_path, download=False)
+    assert (len(decodes), len(hashes)) == (4, 12)
+    # ...so from now on a load reads no raw file at all.
+    ds = load_dataset("fmnist", tmp_path, download=False)
+    assert (len(decodes), len(hashes)) == (4, 12)
+    assert torch.equal(ds.x_train[:, 0], torch.from_numpy(xtr))
+
+
+@pytest.mark.quick
+def test_moved_raw_files_with_the_same_content_keep_the_cache(tmp_path, monkeypatch):
+    write_fmnist(tmp_path)
+    first = load_dataset("fmnist", tmp_path, download=False)
+    (tmp_path / "fashion-mnist").mkdir()
+    for f in tmp_path.glob("*.gz"):
+        f.rename(tmp_path / "fashion-mnist" / f.name)
+    decodes = count_calls(monkeypatch, "_read_idx")
+    second = load_dataset("fmnist", tmp_path, download=False)
+    assert decodes == [] and torch.equal(first.x_train, second.x_train)
+
+
+@pytest.mark.quick
+def test_tinyimagenet_cache_follows_the_image_folders(tmp_path, monkeypatch):
+    write_tinyimagenet(tmp_path)
+    age(tmp_path, 10_000)
+    decodes = count_calls(monkeypatch, "_read_rgb")
+    hashes = count_calls(monkeypatch, "_digest")
+    assert len(load_dataset("tinyimagenet", tmp_path, download=False).y_train) == 6
+    assert len(decodes) == 9
+    n_hashed = len(hashes)
+    load_dataset("tinyimagenet", tmp_path, download=False)
+    assert len(decodes) == 9 and len(hashes) == n_hashed  # 110k images would not be read
+    # An image added (with an old mtime) changes its folder's listing: decoded again.
+    extra = tmp_path / TINY / "train" / "n02000000" / "images" / "n02000000_9.JPEG"
+    Image.new("RGB", (64, 64), (0, 250, 0)).save(extra, quality=95)
+    age(tmp_path, 20_000)
+    ds = load_dataset("tinyimagenet", tmp_path, download=False)
+    assert ds.y_train.tolist() == [0, 0, 1, 1, 1, 2, 2] and len(decodes) == 9 + 10

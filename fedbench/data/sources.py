@@ -3,20 +3,28 @@
 Each loader reads its dataset's own on-disk format directly (IDX, CIFAR pickles, a JPEG
 folder, an npz); torchvision / medmnist are used only to download missing files. Decoded
 image datasets are cached as ``<root>/.fedbench-cache/<name>.pt`` so later runs skip the
-decode. A missing dataset is a one-line ``DataError`` naming the paths searched and how to
-get the files, never a traceback from deep inside a download library.
+decode; the cache remembers what the raw files held (sizes and content hashes) and is rebuilt
+when they change, whatever their timestamps say. A missing, truncated or corrupt dataset file
+is a one-line ``DataError`` naming the file and how to get it again, never a traceback from
+deep inside a decoder or a download library; a corrupt cache is only a warning (it is rebuilt).
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import inspect
+import logging
+import math
 import os
 import pickle
 import struct
 import tempfile
-from collections.abc import Callable, Sequence
+import time
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +32,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from fedbench.errors import ConfigError, DataError
+from fedbench.errors import ConfigError, DataError, FedbenchError
 from fedbench.registry import Registry
 
 __all__ = ["DATASETS", "Dataset", "dataset_names", "load_dataset"]
@@ -33,6 +41,7 @@ Tensors = dict[str, torch.Tensor]
 Loader = Callable[..., "Dataset"]
 
 DATASETS: Registry[Loader] = Registry("dataset")
+log = logging.getLogger(__name__)
 
 # Where the Debian package `dataset-fashion-mnist` puts the files; module-level so tests
 # can point it elsewhere.
@@ -45,7 +54,12 @@ FMNIST_FILES = (
 )
 TINYIMAGENET_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
 CACHE_DIR = ".fedbench-cache"
-_CACHE_FORMAT = 1  # bump when the cached tensor layout changes
+_CACHE_FORMAT = 2  # bump when the cache's layout changes (2: source fingerprints, checksums)
+_SPLITS = ("x_train", "y_train", "x_test", "y_test")
+# A source whose mtime is this close to the moment it was fingerprinted (or in the future)
+# may still be written within the same timestamp tick without its size changing (Git's
+# "racy" entries; FAT stamps are 2 s coarse): its stamp is not trusted, it is re-hashed.
+_RACY_NS = 2_000_000_000
 
 
 @dataclass
@@ -84,7 +98,17 @@ def load_dataset(
         raise ConfigError(
             f"dataset {name!r} got unknown parameter(s) {sorted(params)}; valid: {valid}"
         ) from None
-    return fn(root_path, download, **params)
+    try:
+        if root_path.exists() and not root_path.is_dir():
+            # Searched as a folder, a file would just be skipped: FMNIST would quietly come
+            # from /usr/share, a download would fail on mkdir.
+            what = "data.root" if root is not None else "the data root ($FEDBENCH_DATA)"
+            raise DataError(f"{what}={root_path} is a file, not a directory")
+        return fn(root_path, download, **params)
+    except OSError as e:
+        # What the loaders do not name themselves: a folder we may not list, a full disk...
+        where = e.filename if e.filename is not None else root_path
+        raise DataError(_one_line(f"dataset {name!r}: cannot read {where}: {_reason(e)}")) from None
 
 
 def dataset_names() -> list[str]:
@@ -98,6 +122,11 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+def _reason(e: BaseException, limit: int = 200) -> str:
+    text = _one_line(e.strerror if isinstance(e, OSError) and e.strerror else e)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _missing(name: str, searched: Sequence[Path], how: str, cause: str = "") -> DataError:
     where = ", ".join(str(p) for p in searched)
     msg = f"dataset {name!r} not found (searched: {where})"
@@ -106,50 +135,231 @@ def _missing(name: str, searched: Sequence[Path], how: str, cause: str = "") -> 
     return DataError(_one_line(f"{msg}; {how}"))
 
 
-def _download(name: str, searched: Sequence[Path], how: str, fetch: Callable[[], object]) -> None:
-    """Run a library download, turning any failure into our one-line DataError."""
+def _download(
+    name: str,
+    searched: Sequence[Path],
+    how: str,
+    fetch: Callable[[], object],
+    archives: Sequence[Path] = (),
+) -> None:
+    """Run a library download, turning any failure into our one-line DataError.
+
+    ``archives``: where the library keeps what it downloads; one left behind by a failed
+    download may be a partial or corrupt file the library keeps tripping over (torchvision
+    re-extracts, or reports "File not found or corrupted"), so the message names it.
+    """
     try:
         fetch()
-    except Exception as e:  # network, checksum, disk: all mean "not available"
-        raise _missing(name, searched, how, f"{type(e).__name__}: {e}") from None
+    except Exception as e:  # network, checksum, disk, a bad archive: all mean "not available"
+        cause = f"{type(e).__name__}: {_reason(e)}"
+        left = [str(a) for a in archives if a.is_file()]
+        if left:
+            them = "it" if len(left) == 1 else "them"
+            cause += f" ({', '.join(left)} may be truncated or corrupt: delete {them} and retry)"
+        raise _missing(name, searched, how, cause) from None
+
+
+def _bad_file(path: Path, problem: str, fix: str) -> DataError:
+    return DataError(_one_line(f"{path}: {problem}; {fix}"))
+
+
+@contextmanager
+def _reading(path: Path, what: str, fix: str) -> Iterator[None]:
+    """Make whatever reading and decoding ``path`` raises one DataError naming the file.
+
+    Decoders fed truncated or foreign bytes raise nearly anything: EOFError, zlib.error and
+    gzip.BadGzipFile from gzip, zipfile.BadZipFile from npz, UnpicklingError but also
+    AttributeError, ImportError, IndexError... from pickle (as its docs warn), SyntaxError
+    and ValueError from PIL's parsers, ValueError/KeyError from wrong contents. Each means
+    the same here, so everything raised inside the block is caught; keep the blocks narrow.
+    """
+    try:
+        yield
+    except FedbenchError:
+        raise
+    except Exception as e:
+        if isinstance(e, OSError) and e.errno is not None:  # the OS's, not a decoder's
+            if isinstance(e, PermissionError):
+                fix = "make it readable (check its permissions)"
+            raise _bad_file(path, f"cannot be read ({_reason(e)})", fix) from None
+        problem = f"truncated, corrupt or not {what} ({type(e).__name__}: {_reason(e)})"
+        raise _bad_file(path, problem, fix) from None
+
+
+def _check_labels(path: Path, y: np.ndarray | torch.Tensor, num_classes: int, fix: str) -> None:
+    if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+        problem = (
+            f"labels span {int(y.min())}..{int(y.max())}, expected 0..{num_classes - 1} "
+            "(corrupt, or another dataset's file)"
+        )
+        raise _bad_file(path, problem, fix)
+
+
+# ------------------------------------------------------------------------------ cache
+#
+# ``<root>/.fedbench-cache/<name>.pt`` holds the decoded tensors, a CRC-32 of each (torch.load
+# checks no checksum: a flipped byte would go unnoticed) and a fingerprint of the raw sources
+# it was decoded from: per source its path, a cheap stamp and a SHA-256 of its content. A
+# file's stamp is (size, mtime_ns); a folder's (TinyImageNet's image folders) is its file
+# count and a digest of its files' (name, size, mtime_ns), its content hash one over its
+# files' names and bytes. On load a source whose stamp is unchanged is trusted without
+# reading it; one whose stamp differs in any way (an older mtime too: tar, cp -p, rsync -a
+# keep the source's) is re-hashed, and the cache is rebuilt if the content differs, or
+# kept with the new stamps if not. What this cannot see: a file (or an image in a folder)
+# replaced by one of the same name and size carrying exactly the same mtime_ns.
+
+
+def _file_digest(path: Path, buf: bytearray | None = None) -> bytes:
+    h = hashlib.sha256()
+    view = memoryview(buf if buf is not None else bytearray(1 << 20))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            h.update(view[:n])
+    return h.digest()
+
+
+def _folder_files(folder: Path) -> list[os.DirEntry]:
+    with os.scandir(folder) as it:
+        return sorted((e for e in it if e.is_file()), key=lambda e: e.name)
+
+
+def _stamp(path: Path) -> tuple[tuple, int]:
+    """(the source's stamp, its newest mtime_ns); see the comment above."""
+    if path.is_dir():
+        h, newest = hashlib.sha256(), 0
+        files = _folder_files(path)
+        for e in files:
+            st = e.stat()
+            h.update(b"%s\0%d\0%d\n" % (os.fsencode(e.name), st.st_size, st.st_mtime_ns))
+            newest = max(newest, st.st_mtime_ns)
+        return ("folder", len(files), h.hexdigest()), newest
+    st = path.stat()
+    return ("file", st.st_size, st.st_mtime_ns), st.st_mtime_ns
+
+
+def _digest(path: Path) -> str:
+    """SHA-256 of a file's bytes, or of a folder's files' names and bytes."""
+    if not path.is_dir():
+        return _file_digest(path).hex()
+    h, buf = hashlib.sha256(), bytearray(1 << 20)
+    for e in _folder_files(path):
+        h.update(os.fsencode(e.name) + b"\0" + _file_digest(Path(e.path), buf))
+    return h.hexdigest()
+
+
+def _source(path: Path, stamp: tuple, newest: int, digest: str) -> dict:
+    racy = newest >= time.time_ns() - _RACY_NS
+    return {"path": str(path), "stamp": None if racy else stamp, "hash": digest}
+
+
+def _fingerprint(raw: Sequence[Path], fix: str) -> list[dict]:
+    out = []
+    for p in raw:
+        with _reading(p, "a readable file", fix):
+            stamp, newest = _stamp(p)  # before reading: a write after it changes the stamp
+            out.append(_source(p, stamp, newest, _digest(p)))
+    return out
+
+
+def _refresh(stored: object, raw: Sequence[Path]) -> list[dict] | None:
+    """The stored fingerprint brought up to date if every source still holds what it did
+    when the cache was built (re-hashing only sources whose path or stamp changed), else None.
+    """
+    if not isinstance(stored, list) or len(stored) != len(raw):
+        return None
+    fresh = []
+    try:
+        for entry, p in zip(stored, raw):
+            stamp, newest = _stamp(p)
+            if entry["stamp"] is not None and (entry["path"], entry["stamp"]) == (str(p), stamp):
+                fresh.append(entry)
+            elif _digest(p) == entry["hash"]:
+                fresh.append(_source(p, stamp, newest, entry["hash"]))
+            else:
+                log.info("%s changed since the dataset cache was built; decoding again", p)
+                return None
+    except (OSError, KeyError, TypeError):  # vanished meanwhile, or a malformed entry
+        return None
+    return fresh
+
+
+def _crcs(tensors: Tensors) -> dict[str, int]:
+    return {
+        k: zlib.crc32(t.contiguous().reshape(-1).numpy().view(np.uint8)) for k, t in tensors.items()
+    }
+
+
+def _read_cache(cache: Path, keys: Sequence[str]) -> dict | None:
+    """The cache's blob if it is a sound one of this format, else None, with a warning if
+    it is damaged: it is never the user's data, so it is rebuilt, never an error."""
+    if not cache.is_file():
+        return None
+    try:
+        blob = torch.load(cache, map_location="cpu", weights_only=True)
+        if not isinstance(blob, dict) or blob.get("format") != _CACHE_FORMAT:
+            log.info("%s is from another fedbench version; rebuilding it", cache)
+            return None
+        t = blob["tensors"]
+        if not set(keys) <= set(t) or not all(isinstance(v, torch.Tensor) for v in t.values()):
+            problem = f"it holds {sorted(t)}, not {sorted(keys)}"
+        elif blob["crc"] != _crcs(t):
+            problem = "corrupt (its checksums do not match)"
+        else:
+            return blob
+    except Exception as e:  # truncated, corrupt or foreign: torch and pickle raise many kinds
+        problem = f"unreadable ({type(e).__name__}: {_reason(e)})"
+    log.warning("ignoring the dataset cache %s: %s; rebuilding it", cache, _one_line(problem))
+    return None
 
 
 def _cached(
-    name: str, root: Path, raw: Sequence[Path] | None, decode: Callable[[], Tensors]
+    name: str,
+    root: Path,
+    raw: Sequence[Path] | None,
+    decode: Callable[[], Tensors],
+    fix: str,
+    keys: Sequence[str] = _SPLITS,
 ) -> Tensors | None:
-    """Tensors from the cache if it is newer than ``raw``, else ``decode()`` and cache them.
+    """Tensors from the cache if ``raw`` still holds what it was built from, else
+    ``decode()`` them and cache them. ``fix``: how to repair an unreadable raw file.
 
     ``raw=None`` means the raw files were not found: use any cache there is, or return None.
     """
     cache = root / CACHE_DIR / f"{name}.pt"
-    if cache.is_file():
-        fresh = raw is None or cache.stat().st_mtime >= max(p.stat().st_mtime for p in raw)
-        if fresh:
-            try:
-                blob = torch.load(cache, map_location="cpu", weights_only=True)
-                if blob.get("format") == _CACHE_FORMAT:
-                    return blob["tensors"]
-            except Exception:
-                pass  # corrupt or foreign file: fall through and decode again
+    blob = _read_cache(cache, keys)
     if raw is None:
-        return None
+        return blob["tensors"] if blob is not None else None
+    if blob is not None:
+        fresh = _refresh(blob.get("sources"), raw)
+        if fresh is not None:
+            if fresh != blob["sources"]:  # same content, new stamps: no re-hash next time
+                _write_cache(cache, blob["tensors"], fresh)
+            return blob["tensors"]
+    sources = _fingerprint(raw, fix)
     tensors = decode()
-    _write_cache(cache, tensors)
+    _write_cache(cache, tensors, sources)
     return tensors
 
 
-def _write_cache(cache: Path, tensors: Tensors) -> None:
+def _write_cache(cache: Path, tensors: Tensors, sources: list[dict]) -> None:
     # Atomic (temp file + os.replace) so a killed run or a parallel run never leaves a
     # half-written cache; an unwritable root (e.g. /usr/share) just means no cache.
     tmp = None
+    blob = {
+        "format": _CACHE_FORMAT,
+        "sources": sources,
+        "crc": _crcs(tensors),
+        "tensors": tensors,
+    }
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.stem}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            torch.save({"format": _CACHE_FORMAT, "tensors": tensors}, f)
+            torch.save(blob, f)
         os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a shared data root wants readable
         os.replace(tmp, cache)
-    except OSError:
+    except (OSError, RuntimeError) as e:  # torch reports some write failures as RuntimeError
+        log.debug("dataset cache %s not written: %s", cache, _reason(e))
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
 
@@ -194,20 +404,37 @@ def _idx_file(folder: Path, base: str) -> Path | None:
     return None
 
 
-def _read_idx(path: Path) -> np.ndarray:
+def _fmnist_fix(path: Path) -> str:
+    if any(path.is_relative_to(d) for d in FMNIST_SYSTEM_DIRS):
+        return "reinstall the Debian package: apt-get install --reinstall dataset-fashion-mnist"
+    return (
+        "delete it, then load again with data.download=true to re-download it or install the "
+        "Debian package dataset-fashion-mnist (/usr/share/datasets/fashion-mnist)"
+    )
+
+
+def _read_idx(path: Path, fix: str) -> np.ndarray:
     """Decode an IDX file (optionally gzipped) of unsigned bytes."""
-    data = path.read_bytes()
-    if data[:2] == b"\x1f\x8b":
-        data = gzip.decompress(data)
+    with _reading(path, "a (gzipped) IDX file", fix):
+        data = path.read_bytes()
+        if data[:2] == b"\x1f\x8b":
+            data = gzip.decompress(data)
     if len(data) < 4 or data[:3] != b"\x00\x00\x08":
-        raise DataError(f"{path}: not an IDX file of unsigned bytes (bad magic number)")
+        raise _bad_file(path, "not an IDX file of unsigned bytes (bad magic number)", fix)
     ndim = data[3]
     header = 4 + 4 * ndim
+    if len(data) < header:
+        raise _bad_file(
+            path, f"truncated: {len(data)} bytes, its IDX header alone is {header}", fix
+        )
     dims = struct.unpack(f">{ndim}I", data[4:header])
-    arr = np.frombuffer(data, dtype=np.uint8, offset=header)
-    if arr.size != int(np.prod(dims)):
-        raise DataError(f"{path}: IDX header says {dims} but holds {arr.size} bytes (truncated?)")
-    return arr.reshape(dims)
+    want, have = math.prod(dims), len(data) - header
+    if have != want:
+        problem = "truncated" if have < want else "corrupt"
+        raise _bad_file(
+            path, f"{problem}: its IDX header says {dims} ({want} bytes) but it holds {have}", fix
+        )
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims)
 
 
 @DATASETS.register("fmnist")
@@ -223,20 +450,31 @@ def load_fmnist(root: Path, download: bool) -> Dataset:
         return None
 
     def decode(files: list[Path]) -> Tensors:
-        xtr, ytr, xte, yte = (_read_idx(f) for f in files)
-        return {
-            "x_train": torch.from_numpy(xtr.copy()).unsqueeze(1),
-            "y_train": _labels(ytr),
-            "x_test": torch.from_numpy(xte.copy()).unsqueeze(1),
-            "y_test": _labels(yte),
-        }
+        out: Tensors = {}
+        for split, fx, fy in (("train", *files[:2]), ("test", *files[2:])):
+            x, y = _read_idx(fx, _fmnist_fix(fx)), _read_idx(fy, _fmnist_fix(fy))
+            if x.ndim != 3 or x.shape[1:] != (28, 28):
+                problem = f"holds an array of shape {x.shape}, not 28x28 images"
+                raise _bad_file(fx, problem, _fmnist_fix(fx))
+            if y.ndim != 1:
+                raise _bad_file(
+                    fy, f"holds an array of shape {y.shape}, not labels", _fmnist_fix(fy)
+                )
+            if len(x) != len(y):
+                problem = f"holds {len(y)} labels but {fx} holds {len(x)} images"
+                raise _bad_file(fy, problem, _fmnist_fix(fy))
+            _check_labels(fy, y, 10, _fmnist_fix(fy))
+            out[f"x_{split}"] = torch.from_numpy(x.copy()).unsqueeze(1)
+            out[f"y_{split}"] = _labels(y)
+        return out
 
     how = (
         "apt-get install dataset-fashion-mnist, or set data.root to a folder with the four "
         "idx files"
     )
     files = find()
-    t = _cached(name, root, files, lambda: decode(files))
+    fix = _fmnist_fix(files[0]) if files else ""
+    t = _cached(name, root, files, lambda: decode(files), fix)
     if t is None:
         if not download:
             raise _missing(name, dirs, how)
@@ -247,11 +485,11 @@ def load_fmnist(root: Path, download: bool) -> Dataset:
             root.mkdir(parents=True, exist_ok=True)
             FashionMNIST(str(root), download=True)
 
-        _download(name, dirs, how, fetch)
+        _download(name, dirs, how, fetch)  # torchvision checks its .gz files' MD5 itself
         files = find()
         if files is None:
             raise _missing(name, dirs, how, "torchvision left no idx files")
-        t = _cached(name, root, files, lambda: decode(files))
+        t = _cached(name, root, files, lambda: decode(files), _fmnist_fix(files[0]))
     return _make(name, t, 10, (1, 28, 28), (0.2860,), (0.3530,))
 
 
@@ -273,12 +511,17 @@ def _cifar(
     train: Sequence[str],
     test: str,
     label_key: str,
+    num_classes: int,
     tv_class: str,
     url: str,
 ) -> Tensors:
     d = root / folder
     how = (
         f"allow downloading on a machine with network, or unpack {url} into data.root so {d} exists"
+    )
+    fix = (
+        f"delete it and load again with data.download=true to re-fetch {folder}, or unpack "
+        f"{url} into data.root again"
     )
 
     def find() -> list[Path] | None:
@@ -290,20 +533,21 @@ def _cifar(
         for split, parts in (("train", files[:-1]), ("test", files[-1:])):
             xs, ys = [], []
             for p in parts:
-                try:
+                with _reading(p, f"a {name} batch", fix):
                     b = _unpickle(p)
-                    xs.append(np.asarray(b["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
-                    ys.append(_labels(b[label_key]))
-                except (KeyError, ValueError, pickle.UnpicklingError, EOFError) as e:
-                    raise DataError(
-                        _one_line(f"{p}: not a {name} batch ({type(e).__name__}: {e})")
-                    ) from None
+                    x = np.asarray(b["data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+                    y = _labels(b[label_key])
+                if len(x) != len(y):
+                    raise _bad_file(p, f"holds {len(x)} images but {len(y)} labels", fix)
+                _check_labels(p, y, num_classes, fix)
+                xs.append(x)
+                ys.append(y)
             out[f"x_{split}"] = torch.from_numpy(np.concatenate(xs))
             out[f"y_{split}"] = torch.cat(ys)
         return out
 
     files = find()
-    t = _cached(name, root, files, lambda: decode(files))
+    t = _cached(name, root, files, lambda: decode(files), fix)
     if t is None:
         if not download:
             raise _missing(name, [d], how)
@@ -314,11 +558,11 @@ def _cifar(
             root.mkdir(parents=True, exist_ok=True)
             getattr(tvd, tv_class)(str(root), download=True)
 
-        _download(name, [d], how, fetch)
+        _download(name, [d], how, fetch, [root / url.rsplit("/", 1)[-1]])
         files = find()
         if files is None:
             raise _missing(name, [d], how, f"torchvision left no {folder}")
-        t = _cached(name, root, files, lambda: decode(files))
+        t = _cached(name, root, files, lambda: decode(files), fix)
     return t
 
 
@@ -332,6 +576,7 @@ def load_cifar10(root: Path, download: bool) -> Dataset:
         train=[f"data_batch_{i}" for i in range(1, 6)],
         test="test_batch",
         label_key="labels",
+        num_classes=10,
         tv_class="CIFAR10",
         url="https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
     )
@@ -349,6 +594,7 @@ def load_cifar100(root: Path, download: bool) -> Dataset:
         train=["train"],
         test="test",
         label_key="fine_labels",
+        num_classes=100,
         tv_class="CIFAR100",
         url="https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
     )
@@ -359,26 +605,26 @@ def load_cifar100(root: Path, download: bool) -> Dataset:
 # ---------------------------------------------------------------------- tiny-imagenet
 
 
-def _read_rgb(path: Path) -> np.ndarray:
-    try:
-        with Image.open(path) as im:
-            return np.asarray(im.convert("RGB"), dtype=np.uint8)
-    except OSError as e:
-        raise DataError(_one_line(f"{path}: unreadable image ({e})")) from None
+def _read_rgb(path: Path, fix: str) -> np.ndarray:
+    with _reading(path, "an image", fix), Image.open(path) as im:
+        return np.asarray(im.convert("RGB"), dtype=np.uint8)
 
 
-def _read_images(paths: Sequence[Path], size: int) -> torch.Tensor:
+def _read_images(paths: Sequence[Path], size: int, fix: str) -> torch.Tensor:
     """Decode images into one uint8 [N, 3, size, size] tensor; threads since PIL drops the GIL."""
     out = np.empty((len(paths), size, size, 3), dtype=np.uint8)
 
     def put(i: int) -> None:
-        img = _read_rgb(paths[i])
+        img = _read_rgb(paths[i], fix)
         if img.shape != (size, size, 3):
-            raise DataError(f"{paths[i]}: image is {img.shape[1]}x{img.shape[0]}, not {size}")
+            raise _bad_file(paths[i], f"image is {img.shape[1]}x{img.shape[0]}, not {size}", fix)
         out[i] = img
 
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as ex:
+    ex = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
+    try:
         list(ex.map(put, range(len(paths))))
+    finally:  # on a bad image, do not decode the other 100k first
+        ex.shutdown(wait=True, cancel_futures=True)
     return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous()
 
 
@@ -387,18 +633,25 @@ def load_tinyimagenet(root: Path, download: bool) -> Dataset:
     name = "tinyimagenet"
     d = root / "tiny-imagenet-200"
     how = f"no automatic download: get {TINYIMAGENET_URL} and unzip it into data.root so {d} exists"
+    fix = f"unzip {TINYIMAGENET_URL} into data.root again (replacing {d})"
 
-    def raw_stamps() -> list[Path] | None:
-        # Stat the index files and folders (whose mtime moves when images are added or
-        # removed), not 110k JPEGs, to decide whether the cache is stale.
+    def sources() -> list[Path] | None:
+        # The index files and the image folders (fingerprinted per folder, see _stamp).
         if not (d / "wnids.txt").is_file() or not (d / "train").is_dir():
             return None
-        stamps = [d / "wnids.txt", d / "val" / "val_annotations.txt", d / "val" / "images"]
-        stamps += [p / "images" for p in (d / "train").iterdir() if (p / "images").is_dir()]
-        return [p for p in stamps if p.exists()]
+        found = [d / "wnids.txt", d / "val" / "val_annotations.txt", d / "val" / "images"]
+        found += sorted(p / "images" for p in (d / "train").iterdir() if (p / "images").is_dir())
+        return [p for p in found if p.exists()]
+
+    def read_lines(path: Path) -> list[str]:
+        with _reading(path, "a text file", fix):
+            return path.read_text(encoding="utf-8").splitlines()
 
     def decode() -> Tensors:
-        wnids = sorted({w.strip() for w in (d / "wnids.txt").read_text().split() if w.strip()})
+        wnids_txt = d / "wnids.txt"
+        wnids = sorted({w for line in read_lines(wnids_txt) for w in line.split()})
+        if len(wnids) > 200:
+            raise _bad_file(wnids_txt, f"lists {len(wnids)} classes, not 200", fix)
         index = {w: i for i, w in enumerate(wnids)}
         train_paths, train_labels = [], []
         for w in wnids:
@@ -406,29 +659,34 @@ def load_tinyimagenet(root: Path, download: bool) -> Dataset:
                 p for p in (d / "train" / w / "images").glob("*") if p.suffix.lower() == ".jpeg"
             )
             if not imgs:
-                raise DataError(f"dataset {name!r}: no training images in {d / 'train' / w}")
+                problem = f"lists class {w!r} but {d / 'train' / w / 'images'} has no images"
+                raise _bad_file(wnids_txt, problem, fix)
             train_paths += imgs
             train_labels += [index[w]] * len(imgs)
         ann = d / "val" / "val_annotations.txt"
         if not ann.is_file():
             raise DataError(f"dataset {name!r}: {ann} is missing; re-unzip {TINYIMAGENET_URL}")
         val_paths, val_labels = [], []
-        for line in ann.read_text().splitlines():
+        for n, line in enumerate(read_lines(ann), 1):
             if not line.strip():
                 continue
-            fname, wnid = line.split("\t")[:2]
+            fields = line.split("\t")
+            if len(fields) < 2:
+                problem = f"line {n} is not '<image>\\t<wnid>\\t...' (truncated or corrupt)"
+                raise _bad_file(ann, problem, fix)
+            fname, wnid = fields[:2]
             if wnid not in index:
-                raise DataError(f"dataset {name!r}: {ann} names class {wnid!r} not in wnids.txt")
+                raise _bad_file(ann, f"line {n} names class {wnid!r} not in wnids.txt", fix)
             val_paths.append(d / "val" / "images" / fname)
             val_labels.append(index[wnid])
         return {
-            "x_train": _read_images(train_paths, 64),
+            "x_train": _read_images(train_paths, 64, fix),
             "y_train": _labels(train_labels),
-            "x_test": _read_images(val_paths, 64),
+            "x_test": _read_images(val_paths, 64, fix),
             "y_test": _labels(val_labels),
         }
 
-    t = _cached(name, root, raw_stamps(), decode)
+    t = _cached(name, root, sources(), decode, fix)
     if t is None:
         raise _missing(name, [d], how)
     mean, std = (0.4802, 0.4481, 0.3975), (0.2770, 0.2691, 0.2821)
@@ -442,29 +700,36 @@ def load_tinyimagenet(root: Path, download: bool) -> Dataset:
 def load_pathmnist(root: Path, download: bool, use_val: bool = False) -> Dataset:
     name = "pathmnist"
     f = root / "pathmnist.npz"
-    how = (
-        f"pip install medmnist and allow downloading, or save "
-        f"https://zenodo.org/records/10519652/files/pathmnist.npz as {f}"
+    url = "https://zenodo.org/records/10519652/files/pathmnist.npz"
+    how = f"pip install medmnist and allow downloading, or save {url} as {f}"
+    fix = (
+        "delete it and load again with data.download=true (needs pip install medmnist) to "
+        f"re-download it, or save {url} as {f} again"
     )
+    keys = [f"{xy}_{split}" for split in ("train", "val", "test") for xy in "xy"]
 
     def decode() -> Tensors:
         # The three splits are cached separately so `use_val` needs no second cache.
-        try:
-            with np.load(f) as z:
-                out: Tensors = {}
-                for split in ("train", "val", "test"):
-                    x = np.asarray(z[f"{split}_images"], dtype=np.uint8)
-                    if x.ndim == 3:  # grayscale MedMNIST sets have no channel axis
-                        x = x[..., None]
-                    out[f"x_{split}"] = torch.from_numpy(x).permute(0, 3, 1, 2).contiguous()
-                    out[f"y_{split}"] = _labels(z[f"{split}_labels"])
-                return out
-        except (KeyError, ValueError, OSError) as e:
-            raise DataError(
-                _one_line(f"{f}: not a MedMNIST npz ({type(e).__name__}: {e})")
-            ) from None
+        out: Tensors = {}
+        with _reading(f, "a MedMNIST npz archive", fix), f.open("rb") as fh:
+            if fh.read(4) != b"PK\x03\x04":  # else np.load suggests allow_pickle=True
+                raise _bad_file(f, "not an npz archive (no zip header)", fix)
+        with _reading(f, "a MedMNIST npz archive", fix), np.load(f) as z:
+            for split in ("train", "val", "test"):
+                x = np.asarray(z[f"{split}_images"], dtype=np.uint8)
+                y = _labels(z[f"{split}_labels"])
+                if x.shape[1:] != (28, 28, 3) or len(x) != len(y):
+                    problem = (
+                        f"its {split} split holds images of shape {x.shape} and {len(y)} "
+                        "labels, not [N, 28, 28, 3] and N (not PathMNIST)"
+                    )
+                    raise _bad_file(f, problem, fix)
+                _check_labels(f, y, 9, fix)
+                out[f"x_{split}"] = torch.from_numpy(x).permute(0, 3, 1, 2).contiguous()
+                out[f"y_{split}"] = y
+        return out
 
-    t = _cached(name, root, [f] if f.is_file() else None, decode)
+    t = _cached(name, root, [f] if f.is_file() else None, decode, fix, keys)
     if t is None:
         if not download:
             raise _missing(name, [f], how)
@@ -477,10 +742,10 @@ def load_pathmnist(root: Path, download: bool, use_val: bool = False) -> Dataset
             root.mkdir(parents=True, exist_ok=True)
             medmnist.PathMNIST(split="test", download=True, root=str(root))
 
-        _download(name, [f], how, fetch)
+        _download(name, [f], how, fetch, [f])
         if not f.is_file():
             raise _missing(name, [f], how, "medmnist left no pathmnist.npz")
-        t = _cached(name, root, [f], decode)
+        t = _cached(name, root, [f], decode, fix, keys)
     t = dict(t)
     if use_val:
         t["x_train"] = torch.cat([t["x_train"], t["x_val"]])
