@@ -28,6 +28,15 @@ def spread(rows: torch.Tensor, scale: float = 0.3, seed: int = 1) -> None:
     rows += scale * torch.randn(rows.shape, generator=g)
 
 
+def assert_clear_argmax(scores: torch.Tensor, margin: float = 1e-4) -> None:
+    """Each row's top two scores differ by more than `margin`, far above float32 rounding
+    (~1e-6 here): the argmax (a prediction) is then the same whichever computation produced
+    the scores (the evaluation's batches, this test's; another CPU's summation order)."""
+    top = scores.topk(2, dim=1).values
+    gap = float((top[:, 0] - top[:, 1]).min())
+    assert gap > margin, f"a near-tie ({gap:.2g}) would make the prediction rounding-dependent"
+
+
 # ----------------------------------------------------------------------------- FedAMP
 @pytest.mark.quick
 def test_fedamp_attention_weights():
@@ -176,8 +185,12 @@ def test_fedproto_reports_prototype_and_head_predictions():
         with torch.no_grad():
             x, y = fed.batch(idx, train=False)
             f = eng.model.features(x)
-            head = (eng.model.head(f).argmax(1) == y).float().mean()
+            logits = eng.model.head(f)
+            head = (logits.argmax(1) == y).float().mean()
             proto = (nearest_prototype(f, algo.protos, algo.has_proto) == y).float().mean()
+        # predictions compared with the evaluation's own (measured gaps >= 2e-3)
+        assert_clear_argmax(logits)
+        assert_clear_argmax(-torch.cdist(f, algo.protos[algo.has_proto]))
         assert res["personal"]["L"]["acc"][i] == pytest.approx(float(proto))
         assert res["head"]["L"]["acc"][i] == pytest.approx(float(head))
     assert set(summaries(res)) == {"personal", "global", "head"}
@@ -234,6 +247,9 @@ def test_fedrod_eval_model_trained_or_aggregated():
             )
             torch.testing.assert_close(algo.personal_state(i), expect)
             torch.testing.assert_close(algo.personal_states()[i], expect)
+            x, _ = fed.batch(fed.test_idx[i], train=False)
+            with torch.no_grad():  # predictions compared with the evaluation's (gaps >= 0.03)
+                assert_clear_argmax(algo.trainer.logits(expect, x))
             hits = algo.trainer.correct(expect, fed.test_idx[i]).float().mean()
             assert scores["personal"]["L"]["acc"][i] == pytest.approx(float(hits))
         shared = algo.shared
@@ -350,8 +366,12 @@ def test_fedcac_overlap_and_collaborators():
     off = ov[~torch.eye(5, dtype=torch.bool)]
     t, beta = 0, 2
     thr = off.mean() + (t + 1) / beta * (off.max() - off.mean())
+    assert abs(float(thr) - 0.7125) < 1e-12  # between the overlaps 0.5 and 0.75: no tie
     expect = (ov >= thr) | torch.eye(5, dtype=torch.bool)
     assert torch.equal(collaborators(ov, t, beta), expect)
+    # (t + 1) / beta = 1: the threshold IS the largest overlap (1.0), a tie on purpose; it
+    # holds exactly on every machine: the overlaps are multiples of 1/4 (an exact float64
+    # sum in any order), then mean + 1 * (1 - mean) is IEEE-rounded to 1.0
     assert collaborators(ov, t=1, beta=2)[0].tolist() == [True, False, True, False, False]
 
 

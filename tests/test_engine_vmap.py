@@ -180,8 +180,22 @@ def test_fmnist_fedavg_same_summary_across_backends(tmp_path):
     vm, _ = run_small(tmp_path / "vmap", ["algo=fedavg", "engine.backend=vmap"], rounds=3)
     loss = [pd.read_csv(tmp_path / b / "metrics.csv")["train_loss"] for b in ("seq", "vmap")]
     assert loss[1].tolist() == pytest.approx(loss[0].tolist(), rel=1e-5)
+    # The backends differ by float32 summation order only (~1e-6 relative, as the unit tests
+    # above): a test sample whose two top logits are that close may be predicted differently
+    # (an argmax tie, CPU-dependent; none on the machine that wrote this). Each such flip
+    # moves one client's accuracy on one set by exactly 1/100 (100 test samples per client
+    # and set): allow two flips in all, and the summaries to move by as much.
+    key = ["round", "client", "model", "metric"]
+    per = [
+        pd.read_csv(tmp_path / b / "clients.csv").sort_values(key, ignore_index=True)
+        for b in ("seq", "vmap")
+    ]
+    assert per[0][key].equals(per[1][key])
+    flips = ((per[1]["value"] - per[0]["value"]).abs() * 100).round()
+    assert flips.sum() <= 2, per[0][flips > 0]
+    tol = 2 / 100 + 1e-9  # two flips on one client move its min/max/top5/bottom5 by 0.02
     for kind in ("personal", "global"):
         for name, stats in seq["final"][kind].items():
             if isinstance(stats, dict):
                 for k, v in stats.items():
-                    assert vm["final"][kind][name][k] == pytest.approx(v, abs=0.01), (kind, name, k)
+                    assert vm["final"][kind][name][k] == pytest.approx(v, abs=tol), (kind, name, k)

@@ -110,8 +110,10 @@ def test_local_learns_fmnist(tmp_path):
 
 @pytest.mark.slow
 def test_fedavg_iid_reaches_80_percent(tmp_path):
-    """The foundation's acceptance bar, on a smaller budget: FedAvg iid, MLP, global >= 0.80."""
+    """The foundation's acceptance bar, on a smaller budget: FedAvg iid, MLP, global >= 0.80.
+    20 rounds reach 0.8365 (measured); 10 rounds reached 0.803, six test samples of 2000
+    above the bar: too close for a result that moves with the CPU's float rounding."""
     s, _ = run_small(
-        tmp_path, ["algo=fedavg", "split=iid", "split.train_per_client=600", "optim.lr=0.1"], 10
+        tmp_path, ["algo=fedavg", "split=iid", "split.train_per_client=600", "optim.lr=0.1"], 20
     )
     assert s["final"]["global"]["L"]["avg"] >= 0.80

@@ -17,6 +17,7 @@ from fedbench.algorithms.fedslr import FedSLR
 from fedbench.engine.prox import (
     factorized_params,
     from_matrix,
+    matrix_entries,
     matrix_ranks,
     nuclear_prox,
     soft_threshold,
@@ -30,6 +31,16 @@ from fedbench.engine.terms import Proximal
 
 def rot(a: float) -> torch.Tensor:
     return torch.tensor([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]])
+
+
+def assert_clear_of_threshold(w: torch.Tensor, spec: ModelSpec, tau: float, margin: float):
+    """Every matrix layer's singular values (float64) lie more than `margin` from `tau`: a
+    rank after the prox at tau is then the same whichever SVD computed it (a singular value
+    ON the threshold lands on either side by the solver's last-bit error, CPU-dependently)."""
+    for e in matrix_entries(spec):
+        s = torch.linalg.svdvals(to_matrix(w[e.start : e.stop].view(e.shape)).double())
+        gap = float((s - tau).abs().min())
+        assert gap > margin, f"{e.name}: a singular value {gap:.2g} from tau = {tau}"
 
 
 # ------------------------------------------------------------------ prox operators
@@ -86,6 +97,9 @@ def test_nuclear_prox_per_layer():
     model = ConvNet()
     spec = ModelSpec(model)
     w = spec.flatten(model)
+    # the ranks below compare the batched float32 SVD with svdvals of each matrix: the
+    # nearest singular value is 3.7e-4 from tau = 0.3, ~1e4 times their float32 error
+    assert_clear_of_threshold(w, spec, 0.3, margin=1e-5)
     out, ranks = nuclear_prox(w, spec, 0.3)
     assert [r.name for r in ranks] == ["conv.weight", "conv2.weight", "fc.weight"]
     for e in spec.params:
@@ -129,10 +143,18 @@ def test_memory_efficient_server_equals_per_client_form():
     algo, eng, fed = make_algo("fedslr", extra)
     cfg = algo.cfg
     ref = PerClientFedSLR(cfg, fed, eng, algo.model_fn)
+    zs = []
+    for form in (algo, ref):
+        form.server_average = lambda x, real=form.server_average: zs.append(real(x)) or zs[-1]
     schedule = [[0, 2], [1], [1, 2], [0], [0, 1, 2], [2]]
     for t, clients in enumerate(schedule):
         a = algo.round(t, np.array(clients))
         b = ref.round(t, np.array(clients))
+        # the two forms' z differ by ~1e-7 (float32 sums in another order); the ranks (and
+        # gkr_params) are compared exactly, so no singular value of z may sit near tau
+        # (measured: 0.028 away at least)
+        for z in zs[-2:]:
+            assert_clear_of_threshold(z, eng.spec, algo.tau, margin=1e-4)
         assert torch.allclose(algo.theta, ref.theta, atol=1e-5), t
         assert torch.allclose(algo.p, ref.p, atol=1e-5), t
         assert a["gkr_params"] == b["gkr_params"]
@@ -217,6 +239,9 @@ def test_phase2_one_batch_by_hand():
     v = p - lr * (g + wd * p)
     expect = torch.sign(v) * (v.abs() - lr * lam).clamp_min(0)
     assert (expect == 0).any() and (expect != 0).any()  # the threshold acts, not on all
+    # the zero pattern is compared exactly below: no |v| within 1e-5 of the threshold
+    # (measured 1.9e-3), far above float32 rounding of v (~3e-8)
+    assert ((v.abs() - lr * lam).abs() > 1e-5).all()
     algo.fusion(0, base, 0)
     assert torch.allclose(algo.p[0], expect, atol=1e-7, rtol=0)
     assert torch.equal(algo.p[0] == 0, expect == 0)
@@ -366,15 +391,29 @@ def test_gram_solver_equals_svd():
     for shape in [(2, 9, 4), (3, 5, 12)]:  # tall and wide, batched
         w = torch.randn(*shape)
         s = torch.linalg.svdvals(w.double())
-        tau = float(s.median())  # some singular values survive, some do not
+        # tau halfway between the two middle singular values of the batch: some survive,
+        # some do not, and none sits on the threshold. (tau = s.median() WAS a singular
+        # value: the two solvers' last-bit errors then put it on either side of the
+        # threshold, CPU-dependently; ranks [3, 2, 3] vs [2, 2, 3] on AMD EPYC.)
+        v = s.flatten().sort().values
+        k = v.numel() // 2
+        tau = float(v[k - 1] + v[k]) / 2
+        # both solvers recover singular values to ~1e-15 * ||W|| in float64 (the Gram
+        # path squares them: ~eps ||W||^2 / s); the nearest one is 1e-6 ||W|| away at least
+        # (here ~1e-2 ||W||), so the ranks cannot depend on rounding
+        assert float((s - tau).abs().min()) > 1e-6 * float(s.max())
         a, ra = svt(w, tau, double=True)
         b, rb = svt_gram(w, tau)
+        assert 0 < int(ra.sum()) < s.numel()
         assert torch.allclose(a, b, atol=1e-5)
         assert torch.equal(ra, rb)
     torch.manual_seed(0)
     model = ConvNet()
     spec = ModelSpec(model)
     w = spec.flatten(model)
+    # tau = 0.3 is 3.7e-4 from conv2's nearest singular value (0.30038): the float32 SVD
+    # ("svd") is accurate to ~1e-7 here, so the three solvers' ranks agree with room to spare
+    assert_clear_of_threshold(w, spec, 0.3, margin=1e-5)
     ref, rref = nuclear_prox(w, spec, 0.3, solver="svd64")
     for solver in ("svd", "gram"):
         out, ranks = nuclear_prox(w, spec, 0.3, solver=solver)
