@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import errno
 import io
 import json
 import math
@@ -343,6 +344,10 @@ def test_latex_escapes_labels(tmp_path):
         (["--filter", "seed"], "expected KEY=VALUE"),
         (["--filter", "seed=70"], "no runs left"),
         (["--preset", "plgu_table1", "--rows", "algo"], "drop --rows"),
+        (["--digits", "-3"], "argument --digits: '-3' is not a number of decimals"),
+        (["--digits", "1.5"], "'1.5' is not a number of decimals (a whole number from 0"),
+        (["--digits", "two"], "'two' is not a number of decimals"),
+        (["--digits", "16"], "'16' is not a number of decimals"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(sweep, capsys, args, words):
@@ -356,9 +361,183 @@ def test_no_runs_or_no_path_is_exit_2(tmp_path, capsys):
     code, _, err = run_cli(tmp_path, capsys=capsys)
     assert code == 2 and "no runs found" in err and err.count("\n") == 1
     code, _, err = run_cli(tmp_path / "absent", capsys=capsys)
-    assert code == 2 and "no such file or directory" in err
+    assert code == 2 and "no such file or directory" in err and err.count("\n") == 1
     code, _, err = run_cli(capsys=capsys)
-    assert code == 2 and "give at least one" in err
+    assert code == 2 and "give at least one" in err and err.count("\n") == 1
+
+
+# --------------------------------------------------------------------------- robustness
+# Whatever the input or the disk does, fedbench-report ends with one line and no traceback.
+REPO = Path(__file__).resolve().parents[1]
+
+
+def report(*args, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
+    """The real command (`python -m fedbench.report`, this checkout's fedbench)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "fedbench.report", *map(str, args)],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def assert_one_line_exit_2(r: subprocess.CompletedProcess, *words: str) -> None:
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedbench-report: "), r.stderr
+    for w in words:
+        assert w in lines[0], r.stderr
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(name, options): a tmpfs mounted at tmp_path/name, unmounted after the test.
+    Read-only and full-disk cases need a real file system: root (the tests' user here)
+    ignores permission bits, so chmod cannot make a folder unwritable. Skipped where
+    mounting is not allowed."""
+    mounted: list[Path] = []
+
+    def mount(name: str, options: str) -> Path:
+        where = tmp_path / name
+        where.mkdir()
+        cmd = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError) as e:
+            pytest.skip(f"cannot mount a tmpfs here: {e}")
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in reversed(mounted):
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def fill_up(folder: Path) -> None:
+    """Write into `folder` until its file system is full."""
+    chunk = b"\0" * 4096
+    try:
+        with open(folder / "filler", "wb") as f:
+            while True:
+                f.write(chunk)
+                f.flush()
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+
+
+@pytest.mark.quick
+def test_bad_digits_and_plots_on_a_file_through_the_command(sweep):
+    runs = sweep / "12-00-00"
+    r = report(runs, "--digits", "-3")
+    assert_one_line_exit_2(r, "--digits", "'-3'")
+    assert r.stdout == ""
+    r = report(runs, "--plots", runs / "multirun.yaml")
+    assert_one_line_exit_2(r, "--plots", "exists and is not a directory")
+    assert r.stdout == ""  # refused before anything is printed
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("sub", ["", "figs", "figs/deeper"])
+def test_plots_into_a_read_only_folder_is_one_line(sweep, tmpfs, sub):
+    """The folder itself, or the folder a new one would be made in, is read-only."""
+    ro = tmpfs("ro", "ro,size=1m")
+    r = report(sweep / "12-00-00", "--plots", ro / sub if sub else ro)
+    assert_one_line_exit_2(r, "--plots", "read-only file system")
+    assert r.stdout == ""  # refused before the table is printed
+
+
+@pytest.mark.quick
+def test_an_output_file_that_cannot_be_written_is_one_line(sweep, tmp_path):
+    out = tmp_path / "report"
+    (out / "table.txt").mkdir(parents=True)  # a directory where the table file goes
+    r = report(sweep / "12-00-00", "--plots", out)
+    assert_one_line_exit_2(r, f"cannot write {out / 'table.txt'}")
+    assert sorted(p.name for p in out.iterdir()) == ["table.txt"]  # no temporary file left
+
+
+@pytest.mark.quick
+def test_a_full_disk_is_one_line_and_leaves_no_partial_file(sweep, tmpfs):
+    full = tmpfs("full", "size=64k")
+    fill_up(full)
+    figs = full / "figs"
+    r = report(sweep / "12-00-00", "--plots", figs)
+    assert_one_line_exit_2(r, "No space left on device")
+    assert not figs.exists() or list(figs.iterdir()) == []  # no half-written table or PNG
+    # the table itself to a file on the full disk, or to /dev/full
+    with open(full / "table.txt", "w") as f:
+        r = report(sweep / "12-00-00", stdout=f)
+    assert_one_line_exit_2(r, "cannot write to standard output", "No space left on device")
+    if Path("/dev/full").exists():
+        with open("/dev/full", "w") as f:
+            r = report(sweep / "12-00-00", "--format", "csv", stdout=f)
+        assert_one_line_exit_2(r, "cannot write to standard output")
+
+
+def _cut(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+@pytest.mark.quick
+def test_unreadable_run_files_mark_the_run_failed_with_a_warning(tmp_path, capsys):
+    """A truncated summary.json or metrics.csv, a corrupt CSV or YAML: the run counts as
+    failed (its numbers are not used), the table notes why, stderr has one warning line
+    per such run; the report goes on."""
+    for s in range(4):
+        write_run(tmp_path / f"fedavg{s}", [0.5, 0.6 + 0.1 * s], seed=s)
+    write_run(tmp_path / "local0", [0.8], algo__name="local", seed=0)
+    _cut(tmp_path / "fedavg1" / "summary.json")
+    _cut(tmp_path / "fedavg2" / "metrics.csv")
+    (tmp_path / "fedavg3" / "metrics.csv").write_bytes(b'round,a\n1,"x\n2,\xff\xfe\n')
+    (tmp_path / "local0" / ".hydra" / "config.yaml").write_text("algo: {name: [local\n")
+    (tmp_path / "local0" / "summary.json").write_text("[1, 2]")
+    (tmp_path / "fedavg0" / "clients.csv").write_bytes(b"\x00\xff garbage")  # plots only
+    code, out, err = run_cli(tmp_path, "--plots", tmp_path / "figs", capsys=capsys)
+    assert code == 0 and "Traceback" not in err
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert len(warnings) == 4 and all(w.endswith("the run counts as failed") for w in warnings)
+    assert "fedavg1: summary.json: not valid JSON (truncated or corrupt)" in err
+    assert "fedavg2: metrics.csv: truncated (its last line is cut off)" in err
+    assert "fedavg3: metrics.csv: not a readable CSV file" in err
+    assert ".hydra/config.yaml: not readable YAML" in err and "not a JSON object" in err
+    fedavg = next(line for line in out.splitlines() if line.startswith("fedavg"))
+    assert fedavg.split()[1:] == ["60.00", "(3", "failed)"]  # seed 0 alone: its final 0.6
+    assert "failed" in next(line for line in out.splitlines() if line.startswith("null"))
+    assert "4 run(s) with unreadable files (counted as failed):" in out
+    assert (tmp_path / "figs" / "curves.png").is_file()
+
+
+@pytest.mark.quick
+def test_only_unreadable_runs_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text('{"algo": "fedavg", "final": {"rou')
+    r = report(tmp_path)
+    assert_one_line_exit_2(r, "no readable run", "summary.json: not valid JSON")
+
+
+@pytest.mark.quick
+def test_a_bug_is_one_line_with_the_traceback_in_a_file(sweep, capsys, monkeypatch, tmp_path):
+    import tempfile
+
+    import fedbench.report.cli as cli
+
+    def broken(*a, **kw):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(cli, "render", broken)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    code, out, err = run_cli(sweep / "12-00-00", capsys=capsys)
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert err.startswith("fedbench-report: internal error (RuntimeError: boom)")
+    (saved,) = tmp_path.glob("fedbench-report-error-*.txt")
+    assert "Traceback" in saved.read_text() and "Traceback" not in err
 
 
 # --------------------------------------------------------------------------- presets
@@ -564,7 +743,11 @@ def test_launcher_presets(name, base, plugin, extra):
     assert cfg["defaults"] == [base]
     if not plugin_installed(plugin):
         pytest.skip(f"{plugin} not installed (pip install 'fedbench[{extra}]')")
+    import importlib
+
     from hydra import compose, initialize_config_dir
+
+    importlib.import_module(f"{plugin}.config")  # the plugin stores its configs on import
 
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
         composed = compose("config", [f"hydra/launcher={name}"], return_hydra_config=True)

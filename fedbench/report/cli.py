@@ -1,9 +1,14 @@
 """`fedbench-report PATH...` (or `python -m fedbench.report`): tables and plots from run
-and Hydra multirun directories. Bad input is one line on stderr and exit code 2."""
+and Hydra multirun directories. Bad input, and an output that cannot be written (read-only
+folder, full disk, closed pipe), is one line on stderr and exit code 2; a run directory
+with unreadable files is a warning line and a run counted as failed; a bug is one line
+(the traceback in a file) and exit code 1. Never a traceback on the terminal."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -20,10 +25,21 @@ from fedbench.report.collect import (
     same_value,
     sort_key,
     varying_keys,
+    write_output,
 )
-from fedbench.report.table import EXTENSION, FORMATS, SELECT, Table, build, check_keys, render
+from fedbench.report.table import (
+    EXTENSION,
+    FORMATS,
+    MAX_DIGITS,
+    SELECT,
+    Table,
+    build,
+    check_keys,
+    render,
+)
 
 EXIT_BAD_INPUT = 2
+EXIT_BUG = 1
 DEFAULT_METRIC = "personal.L.avg"
 
 EXAMPLES = """\
@@ -37,7 +53,9 @@ examples:
 
 Cells are the mean ± sample std over the runs (seeds) that share the row and column
 values; '—' marks a cell without runs, 'failed' one whose runs all stopped before
-writing summary.json, 'n/a' a metric the runs do not have (e.g. a global model).
+writing summary.json (or have files that cannot be read: a warning line names them), 'n/a'
+a metric the runs do not have (e.g. a global model). Bad input is one line on stderr and
+exit code 2.
 """
 
 
@@ -48,6 +66,18 @@ class _Parser(argparse.ArgumentParser):
 
 def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _digits(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= MAX_DIGITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of decimals (a whole number from 0 to {MAX_DIGITS})"
+        )
+    return n
 
 
 def parser() -> argparse.ArgumentParser:
@@ -117,7 +147,10 @@ def parser() -> argparse.ArgumentParser:
         "distribution, L/S/G bars) into DIR",
     )
     p.add_argument(
-        "--digits", type=int, metavar="N", help="decimals (default: 2; 3 with --fraction)"
+        "--digits",
+        type=_digits,
+        metavar="N",
+        help=f"decimals, 0 to {MAX_DIGITS} (default: 2; 3 with --fraction)",
     )
     p.add_argument(
         "--fraction",
@@ -152,7 +185,11 @@ def list_keys(runs: list[RunDir]) -> str:
         values = sorted({hashable(r.get(k)) for r in runs}, key=sort_key)
         lines.append(f"{k}: {', '.join(format_value(v) for v in values)}")
     done = sum(not r.failed for r in runs)
-    lines.append(f"({len(runs)} runs, {done} finished, {len(runs) - done} without summary.json)")
+    bad = sum(r.unreadable for r in runs)
+    lines.append(
+        f"({len(runs)} runs, {done} finished, {len(runs) - done - bad} without summary.json"
+        + (f", {bad} with unreadable files)" if bad else ")")
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -180,42 +217,137 @@ def make_table(args: argparse.Namespace, runs: list[RunDir]) -> Table:
     return build(runs, rows, cols, metrics, args.select or "final", scale, digits)
 
 
+def check_output_dir(text: str) -> Path:
+    """--plots DIR, checked before anything is read or written: DIR is a directory or can
+    be made one (the nearest existing folder on its path is writable)."""
+    out = Path(text)
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"--plots {out}: exists and is not a directory")
+    here = out
+    while not here.exists() and here.parent != here:
+        here = here.parent
+    if not here.is_dir():
+        raise ReportError(f"--plots {out}: {here} is not a directory")
+    if not os.access(here, os.W_OK | os.X_OK):
+        why = "permission denied"
+        with contextlib.suppress(OSError, AttributeError):
+            if os.statvfs(here).f_flag & os.ST_RDONLY:
+                why = "read-only file system"
+        raise ReportError(f"--plots {out}: cannot write in {here} ({why})")
+    return out
+
+
+def _silence_stdout() -> None:
+    """After a failed write to stdout, send what is still buffered to /dev/null: Python's
+    own flush at exit would otherwise fail again and print its own error."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):
+        pass  # no file descriptor (a test's captured stream): nothing to silence
+
+
+def emit(text: str) -> None:
+    """`text` to stdout, flushed now; a closed pipe or a full disk is a ReportError."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as e:
+        _silence_stdout()
+        raise ReportError(f"cannot write to standard output: {e.strerror or e}") from None
+
+
+def _internal_error(e: BaseException) -> str:
+    """The line for a fedbench-report bug; its traceback goes to a file (if one can be
+    written)."""
+    import tempfile
+    import traceback
+
+    what = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    try:
+        fd, path = tempfile.mkstemp(prefix="fedbench-report-error-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(" ".join(sys.argv) + "\n\n")
+            traceback.print_exception(e, file=f)
+        where = f"the traceback is in {path}"
+    except OSError:
+        where = "no traceback file could be written"
+    return f"fedbench-report: internal error ({what[:200]}); {where}: please report it"
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = parser().parse_args(argv)
-        if args.list_presets:
-            for name, p in presets.PRESETS.items():
-                print(f"{name:20s} {p.title} (select {p.select})")
-            return 0
-        if not args.paths:
-            raise ReportError("give at least one run or multirun directory")
-        if args.preset:
-            presets.get(args.preset)  # an unknown name is an error before any reading
-        runs = find_runs(args.paths)
-        if not runs:
-            where = ", ".join(args.paths)
-            raise ReportError(
-                f"no runs found under {where} (a run directory holds .hydra/config.yaml "
-                "or summary.json)"
-            )
-        runs = apply_filters(runs, args.filter)
-        if args.keys:
-            sys.stdout.write(list_keys(runs))
-            return 0
-        table = make_table(args, runs)
-        text = render(table, args.format)
-        sys.stdout.write(text)
-        if args.plots:
-            from fedbench.report.plots import write_plots
-
-            out = Path(args.plots)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / f"table.{EXTENSION[args.format]}").write_text(text)
-            for path in write_plots(table, out):
-                print(f"wrote {path}", file=sys.stderr)
+        return _main(argv)
     except ReportError as e:
-        print(f"fedbench-report: {e}", file=sys.stderr)
+        _say(f"fedbench-report: {e}")
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        _say("fedbench-report: interrupted")
+        return 130
+    except Exception as e:  # noqa: BLE001 (a bug: one line, the traceback in a file)
+        _say(_internal_error(e))
+        return EXIT_BUG
+
+
+def _main(argv: list[str] | None) -> int:
+    args = parser().parse_args(argv)
+    if args.list_presets:
+        lines = [
+            f"{name:20s} {p.title} (select {p.select})\n" for name, p in presets.PRESETS.items()
+        ]
+        emit("".join(lines))
+        return 0
+    if not args.paths:
+        raise ReportError("give at least one run or multirun directory")
+    if args.preset:
+        presets.get(args.preset)  # an unknown name is an error before any reading
+    out = check_output_dir(args.plots) if args.plots else None
+    unlisted: list[str] = []  # folders that could not be searched
+    runs = find_runs(args.paths, warn=unlisted.append)
+    if not runs:
+        where = ", ".join(args.paths)
+        raise ReportError(
+            f"no runs found under {where} (a run directory holds .hydra/config.yaml "
+            "or summary.json)" + (f"; {unlisted[0]}" if unlisted else "")
+        )
+    for message in unlisted:
+        _say(f"fedbench-report: warning: {message}")
+    if all(not r.config for r in runs):
+        first = runs[0]
+        raise ReportError(
+            f"no readable run under {', '.join(args.paths)}: {len(runs)} run director"
+            f"{'y' if len(runs) == 1 else 'ies'}, none with a readable config or summary "
+            f"({first.path}: {'; '.join(first.problems) or 'empty'})"
+        )
+    for r in runs:
+        if r.unreadable:
+            _say(
+                f"fedbench-report: warning: {r.path}: {'; '.join(r.problems)}; "
+                "the run counts as failed"
+            )
+    runs = apply_filters(runs, args.filter)
+    if args.keys:
+        emit(list_keys(runs))
+        return 0
+    table = make_table(args, runs)
+    text = render(table, args.format)
+    emit(text)
+    if out is not None:
+        from fedbench.report.plots import write_plots
+
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ReportError(f"--plots {out}: cannot create it ({e.strerror or e})") from None
+        write_output(out / f"table.{EXTENSION[args.format]}", text.encode())
+        for path in write_plots(table, out):
+            _say(f"wrote {path}")
     return 0
 
 

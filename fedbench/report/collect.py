@@ -14,12 +14,15 @@ with short aliases for the keys tables are usually made of: `algo`, `data`, `spl
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
 import re
+import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -45,15 +48,24 @@ class ReportError(FedbenchError):
 
 @dataclass
 class RunDir:
-    """One run directory: its flattened config, and its summary (None if the run failed)."""
+    """One run directory: its flattened config, and its summary (None if the run failed).
+    `problems`: the files it has that cannot be read (truncated or corrupt JSON, CSV or
+    YAML, no permission); such a run counts as failed, its numbers are not used."""
 
     path: Path
     config: dict[str, Any]
     summary: dict | None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def unreadable(self) -> bool:
+        return bool(self.problems)
 
     @property
     def failed(self) -> bool:
-        return self.summary is None
+        """No results to show: no summary.json (stopped early, or still running), or a file
+        that cannot be read."""
+        return self.summary is None or self.unreadable
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.config.get(key, default)
@@ -61,19 +73,52 @@ class RunDir:
     @cached_property
     def metrics(self) -> pd.DataFrame | None:
         """metrics.csv: one row per evaluation round (None when absent or unreadable)."""
-        return _read_csv(self.path / "metrics.csv")
+        return read_metrics(self.path / "metrics.csv")[0]
 
     @cached_property
     def clients(self) -> pd.DataFrame | None:
-        """clients.csv: round, client, model, metric, value (None when absent)."""
+        """clients.csv: round, client, model, metric, value (None when absent or unreadable)."""
         return _read_csv(self.path / "clients.csv")
+
+
+def _why(err: OSError) -> str:
+    return err.strerror or str(err)
 
 
 def _read_csv(path: Path) -> pd.DataFrame | None:
     try:
         return pd.read_csv(path)
-    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError):
-        return None
+    except (OSError, ValueError, pd.errors.ParserError, pd.errors.EmptyDataError):
+        return None  # ValueError: a UnicodeDecodeError, or bytes pandas cannot parse
+
+
+def read_metrics(path: Path) -> tuple[pd.DataFrame | None, str | None]:
+    """(metrics.csv, None); (None, None) when absent or empty; (None, why) when the file is
+    there but unusable: unreadable, truncated (the writer ends every line; a cut one means
+    the file was cut), not CSV, or without a numeric `round` column. Columns are numeric
+    (a value that is not a number is NaN)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"cannot read it ({_why(e)})"
+    if not data.strip():
+        return None, None
+    if not data.endswith(b"\n"):
+        return None, "truncated (its last line is cut off)"
+    try:
+        df = pd.read_csv(io.BytesIO(data))
+    except (ValueError, pd.errors.ParserError, pd.errors.EmptyDataError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return None, f"not a readable CSV file ({first})"
+    if "round" not in df.columns:
+        return None, "no 'round' column"
+    df = df.apply(pd.to_numeric, errors="coerce")
+    rounds = df["round"]
+    if rounds.isna().any() or not (rounds == rounds.round()).all():
+        return None, "a 'round' that is not a whole number"
+    return df, None
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -100,28 +145,49 @@ def clients_per_round(participation: Any, clients: Any) -> int | None:
     return max(1, round(p * n)) if p <= 1.0 else int(p)
 
 
-def _load_yaml(path: Path) -> Any:
+def _load_yaml(path: Path) -> tuple[dict | None, str | None]:
+    """(mapping, None); (None, None) when absent; (None, why) when unusable."""
     try:
-        with open(path) as f:
-            return yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
-        return None
+        with open(path, encoding="utf-8") as f:
+            obj = yaml.safe_load(f)
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"cannot read it ({_why(e)})"
+    except (ValueError, yaml.YAMLError) as e:  # ValueError: UnicodeDecodeError
+        return None, f"not readable YAML ({type(e).__name__})"
+    if not isinstance(obj, dict):
+        return None, "not a YAML mapping"
+    return obj, None
 
 
-def _load_json(path: Path) -> dict | None:
+def _load_json(path: Path) -> tuple[dict | None, str | None]:
+    """(object, None); (None, None) when absent; (None, why) when unusable."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             obj = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return obj if isinstance(obj, dict) else None
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"cannot read it ({_why(e)})"
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        return None, "not valid JSON (truncated or corrupt)"
+    if not isinstance(obj, dict):
+        return None, "not a JSON object"
+    return obj, None
 
 
 def read_run(path: str | os.PathLike) -> RunDir:
-    """Read one run directory (it need not have finished)."""
+    """Read one run directory (it need not have finished). Files it has but that cannot be
+    read are listed in `problems` (the run then counts as failed)."""
     path = Path(path)
-    cfg = _load_yaml(path / ".hydra" / "config.yaml")
-    summary = _load_json(path / "summary.json")
+    problems: list[str] = []
+    cfg, why = _load_yaml(path / ".hydra" / "config.yaml")
+    if why:
+        problems.append(f".hydra/config.yaml: {why}")
+    summary, why = _load_json(path / "summary.json")
+    if why:
+        problems.append(f"summary.json: {why}")
     config = flatten(cfg) if isinstance(cfg, dict) else {}
     for alias, key in ALIASES.items():
         if key in config:
@@ -136,23 +202,38 @@ def read_run(path: str | os.PathLike) -> RunDir:
     per_round = clients_per_round(config.get("participation"), config.get("clients"))
     if per_round is not None:
         config["per_round"] = per_round
-    return RunDir(path, config, summary)
+    run = RunDir(path, config, summary, problems)
+    if summary is not None:
+        # a finished run's metrics.csv is complete: check it now (a running one's may end in
+        # a line being written; it is not used: the run has no summary yet)
+        metrics, why = read_metrics(path / "metrics.csv")
+        if why:
+            problems.append(f"metrics.csv: {why}")
+        run.__dict__["metrics"] = metrics  # the cached_property's value
+    return run
 
 
 def is_run_dir(path: Path) -> bool:
     return (path / "summary.json").is_file() or (path / ".hydra" / "config.yaml").is_file()
 
 
-def find_runs(paths: Iterable[str | os.PathLike]) -> list[RunDir]:
-    """Every run directory at or under `paths` (in path order, each once)."""
+def find_runs(paths: Iterable[str | os.PathLike], warn=None) -> list[RunDir]:
+    """Every run directory at or under `paths` (in path order, each once). A folder that
+    cannot be listed is skipped; `warn(message)` (default: a line on stderr) says so."""
+    if warn is None:
+        warn = _warn
     found: dict[Path, Path] = {}  # resolved -> as found (to print), each run once
+
+    def unlisted(err: OSError) -> None:
+        warn(f"cannot list {err.filename}: {_why(err)} (skipped)")
+
     for p in paths:
         root = Path(p)
         if not root.exists():
             raise ReportError(f"no such file or directory: {root}")
         if not root.is_dir():
             raise ReportError(f"{root} is not a directory (give run or multirun directories)")
-        for dirpath, dirnames, _ in os.walk(root):
+        for dirpath, dirnames, _ in os.walk(root, onerror=unlisted):
             here = Path(dirpath)
             # .hydra, .submitit and other hidden folders hold no runs of their own
             dirnames[:] = sorted((d for d in dirnames if not d.startswith(".")), key=_natural_key)
@@ -160,6 +241,25 @@ def find_runs(paths: Iterable[str | os.PathLike]) -> list[RunDir]:
                 found.setdefault(here.resolve(), here)
                 dirnames[:] = []  # a run directory does not contain other runs
     return [read_run(p) for p in found.values()]
+
+
+def _warn(message: str) -> None:
+    print(f"fedbench-report: warning: {message}", file=sys.stderr)
+
+
+def write_output(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all (a temporary file beside it, renamed into place):
+    a full disk or a read-only folder leaves no half-written file. An OSError (full disk,
+    read-only file system, no permission, a directory in the way) is a ReportError."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise ReportError(f"cannot write {path}: {_why(e)}") from None
 
 
 def _natural_key(name: str) -> tuple:
@@ -230,7 +330,9 @@ def selected(run: RunDir, metric: str, select: str) -> tuple[int | None, float |
             row = m.loc[m[key].idxmax()]
         value = row.get(metric)
         return int(row["round"]), _finite(value)
-    block = run.summary.get(select) or {}
+    block = run.summary.get(select)
+    if not isinstance(block, dict):
+        block = {}
     if metric in RUN_METRICS:
         return block.get("round"), _finite(run.summary.get(metric))
     node: Any = block

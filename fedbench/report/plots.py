@@ -13,6 +13,7 @@ global backend state, nothing shown on screen.
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 
@@ -20,22 +21,29 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from fedbench.report.collect import SETS, RunDir, is_accuracy, selected
+from fedbench.report.collect import SETS, ReportError, RunDir, is_accuracy, selected, write_output
 from fedbench.report.table import Table
 
 DPI = 120
 
 
 def write_plots(table: Table, out_dir: str | Path) -> list[Path]:
-    """Write the figures that the table's metric and runs allow; return their paths."""
+    """Write the figures that the table's metric and runs allow; return their paths. Each
+    file is written whole or not at all; a folder or file that cannot be written is a
+    ReportError (one line)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ReportError(f"cannot create {out}: {e.strerror or e}") from None
     written = []
     for name, draw in (("curves", _curves), ("clients", _clients), ("lsg", _lsg)):
         fig = draw(table)
         if fig is not None:
             path = out / f"{name}.png"
-            fig.savefig(path, dpi=DPI, bbox_inches="tight")
+            png = io.BytesIO()
+            fig.savefig(png, format="png", dpi=DPI, bbox_inches="tight")
+            write_output(path, png.getvalue())
             written.append(path)
     return written
 
@@ -166,10 +174,10 @@ def _client_values(run: RunDir, metric: str, select: str) -> np.ndarray:
     kind, acc_set = metric.split(".")[:2]
     rnd, _ = selected(run, metric, select)
     c = run.clients
-    if rnd is None or c is None:
+    if rnd is None or c is None or not {"round", "model", "metric", "value"} <= set(c.columns):
         return np.empty(0)
     sel = c[(c["round"] == rnd) & (c["model"] == kind) & (c["metric"] == acc_set)]
-    return sel["value"].to_numpy(dtype=float)
+    return pd.to_numeric(sel["value"], errors="coerce").dropna().to_numpy(dtype=float)
 
 
 def _is_client_metric(metric: str | None) -> bool:

@@ -31,11 +31,12 @@ from fedbench.report.collect import (
 )
 
 FORMATS = ("terminal", "markdown", "latex", "csv")
+MAX_DIGITS = 15  # decimals a table may print (float64 has ~16 significant digits)
 SELECT = ("final", "best")
 MISSING, FAILED, NA = "—", "failed", "n/a"
 LEGEND = (
-    f"{MISSING} no run; {FAILED}: every run of the cell stopped before writing summary.json; "
-    f"{NA}: the runs have no such metric (e.g. no global model)"
+    f"{MISSING} no run; {FAILED}: every run of the cell stopped before writing summary.json "
+    f"(or has unreadable files); {NA}: the runs have no such metric (e.g. no global model)"
 )
 
 
@@ -151,6 +152,11 @@ def check_keys(keys: list[str], runs: list[RunDir]) -> None:
             raise ReportError(f"unknown key {k!r}; keys in these runs: {some}")
 
 
+def check_digits(digits: Any) -> None:
+    if isinstance(digits, bool) or not isinstance(digits, int) or not 0 <= digits <= MAX_DIGITS:
+        raise ReportError(f"digits={digits!r}: a whole number of decimals from 0 to {MAX_DIGITS}")
+
+
 def fill(cell: Cell, runs: list[RunDir], metric: str, select: str) -> None:
     for run in runs:
         if run.failed:
@@ -173,6 +179,7 @@ def build(
     digits: int = 2,
 ) -> Table:
     """Group `runs` by the values of `rows` and `cols` keys; every metric is a sub-row."""
+    check_digits(digits)
     check_keys(rows + cols, runs)
     groups: dict[tuple[tuple, tuple], list[RunDir]] = defaultdict(list)
     for r in runs:
@@ -237,11 +244,18 @@ def seeds_phrase(table: Table) -> str:
 
 
 def failed_notes(table: Table) -> list[str]:
-    bad = sorted({str(r.path) for r in table.runs() if r.failed})
-    if not bad:
-        return []
-    head = f"{len(bad)} run(s) without summary.json (failed, killed or still running):"
-    return [head, *(f"  {p}" for p in bad[:20]), *(["  ..."] if len(bad) > 20 else [])]
+    runs = {str(r.path): r for r in table.runs()}
+    notes = []
+    bad = sorted(p for p, r in runs.items() if r.failed and not r.unreadable)
+    if bad:
+        notes.append(f"{len(bad)} run(s) without summary.json (failed, killed or still running):")
+        notes += [f"  {p}" for p in bad[:20]] + (["  ..."] if len(bad) > 20 else [])
+    unreadable = sorted(p for p, r in runs.items() if r.unreadable)
+    if unreadable:
+        notes.append(f"{len(unreadable)} run(s) with unreadable files (counted as failed):")
+        notes += [f"  {p}: {'; '.join(runs[p].problems)}" for p in unreadable[:20]]
+        notes += ["  ..."] if len(unreadable) > 20 else []
+    return notes
 
 
 def warn_pooled(table: Table, keys: list[str]) -> None:
