@@ -72,9 +72,20 @@ def check_overrides(argv: list[str]) -> str | None:
         for v in value.split(","):
             v = v.strip()
             if v and v not in ("null",) and v not in group_options(key):
+                if key == "algo" and _registered_algorithm(v):
+                    return (
+                        f"fedbench: algo {v!r} is registered by a module but conf/algo/{v}.yaml "
+                        "is missing: add it, listing every hyperparameter with its default"
+                    )
                 valid = ", ".join(group_options(key))
                 return f"fedbench: unknown {key} {v!r}; valid: {valid}"
     return None
+
+
+def _registered_algorithm(name: str) -> bool:
+    from fedbench.algorithms import ALGORITHMS
+
+    return name in ALGORITHMS
 
 
 # Hydra flags after which fedbench does not compose the config itself (Hydra prints or acts).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -10,9 +11,37 @@ from torch import nn
 
 from fedbench.algorithms.params import check_params
 from fedbench.engine import Engine, OptimConfig, TrainResult
+from fedbench.errors import ConfigError
 from fedbench.registry import Registry
 
-ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm")
+CONF_ALGO = Path(__file__).resolve().parents[2] / "conf" / "algo"
+
+
+class AlgorithmRegistry(Registry["type[Algorithm]"]):
+    """The algorithms. `@ALGORITHMS.register()` names a class after its module's file
+    (fedbench/algorithms/fedper.py registers "fedper"), so the name is written nowhere
+    else; a module holding several algorithms names them (`register("fedprox")`). The
+    registry sets the class's `name`. An unknown name says which half is missing: the
+    module or the YAML (`conf/algo/<name>.yaml`)."""
+
+    def register(self, name: str | None = None):  # type: ignore[override]
+        def deco(cls):
+            key = name or cls.__module__.rsplit(".", 1)[-1]
+            cls.name = key
+            return Registry.register(self, key)(cls)
+
+        return deco
+
+    def get(self, name: str) -> type[Algorithm]:
+        if name not in self and (CONF_ALGO / f"{name}.yaml").is_file():
+            raise ConfigError(
+                f"algo {name!r}: conf/algo/{name}.yaml exists but no module registers it; add "
+                f"fedbench/algorithms/{name}.py with a class decorated @ALGORITHMS.register()"
+            )
+        return super().get(name)
+
+
+ALGORITHMS = AlgorithmRegistry("algorithm")
 
 FLOAT_BYTES = 4
 
