@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -413,6 +414,7 @@ def _make_task(plan: Plan):
                 log.error("run %s failed: %s", out, e)
                 if not started:
                     _record_failure(out, cfg, str(e))
+                _note_failed(Path(hc.sweep.dir), out, str(e))
                 return
             print(f"fedbench: {e}", file=sys.stderr)
             if not started:
@@ -424,6 +426,7 @@ def _make_task(plan: Plan):
                 log.error("run %s failed: %s", out, line)
                 if not started:
                     _record_failure(out, cfg, line)
+                _note_failed(Path(hc.sweep.dir), out, line)
                 return
             print(line, file=sys.stderr)
             sys.exit(1)
@@ -434,12 +437,25 @@ def _make_task(plan: Plan):
     return task
 
 
-def _error_files(sweep: Path | None) -> dict[Path, int]:
-    from fedbench.runner import ERROR_FILE
+# A sweep's failed jobs leave a line each here (in the sweep directory, not the run's own,
+# which may be another run's); main() prints those of its sweep when every job has run.
+FAILED_DIR = ".fedbench-failed"
 
-    if sweep is None or not sweep.is_dir():
-        return {}
-    return {p: p.stat().st_mtime_ns for p in sweep.rglob(ERROR_FILE)}
+
+def _note_failed(sweep: Path, out: Path, message: str) -> None:
+    import secrets
+
+    from fedbench.io import atomic_write_text
+
+    line = f"{out.name}\t{message.removeprefix('fedbench: ')}\n"
+    with contextlib.suppress(FedbenchError):
+        atomic_write_text(sweep / FAILED_DIR / f"{secrets.token_hex(8)}.txt", line)
+
+
+def _failed_notes(sweep: Path | None) -> set[Path]:
+    if sweep is None or not (sweep / FAILED_DIR).is_dir():
+        return set()
+    return set((sweep / FAILED_DIR).glob("*.txt"))
 
 
 def _terminated(signum: int, frame: object) -> None:
@@ -464,7 +480,7 @@ def main() -> None:
     except KeyboardInterrupt:
         print("fedbench: interrupted", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
-    before = _error_files(plan.sweep_dir)
+    before = _failed_notes(plan.sweep_dir)
     sys.argv = [sys.argv[0], *argv, *plan.extra]
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(
         _make_task(plan)
@@ -475,12 +491,11 @@ def main() -> None:
         print("fedbench: interrupted", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
     if plan.multirun:
-        failed = {p: t for p, t in _error_files(plan.sweep_dir).items() if before.get(p) != t}
-        for p in sorted(failed):
-            reason = p.read_text().strip().removeprefix("fedbench: ")
-            print(f"fedbench: job {p.parent.relative_to(plan.sweep_dir)} failed: {reason}",
-                  file=sys.stderr)  # fmt: skip
-        if failed:
+        lines = sorted(p.read_text().strip() for p in _failed_notes(plan.sweep_dir) - before)
+        for line in lines:
+            job, _, reason = line.partition("\t")
+            print(f"fedbench: job {job} failed: {reason}", file=sys.stderr)
+        if lines:
             sys.exit(1)
 
 

@@ -448,3 +448,20 @@ def test_full_disk_is_one_line_and_keeps_the_files_there(tmp_path):
         assert not list(run.glob(".*.tmp"))
         json.loads((run / "partition.json").read_text())
         pd.read_csv(run / "metrics.csv")
+
+
+@pytest.mark.slow
+@needs_fmnist
+def test_a_sweep_rerun_into_its_directory_refuses_every_job_and_exits_1(tmp_path):
+    """Every job's directory holds the first sweep's run: each is refused (nothing written
+    into it), the sweep lists them and exits 1."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", "seed=0,1", *TINY, "rounds=1", f"hydra.sweep.dir={sweep}"]
+    assert fedbench(*args, cwd=tmp_path).returncode == 0
+    runs = sorted(p for p in sweep.iterdir() if not p.name.startswith("."))
+    before = {p.name: snapshot(p) for p in runs}
+    r = fedbench(*args, cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    failed = [ln for ln in r.stderr.splitlines() if ln.startswith("fedbench: job ")]
+    assert len(failed) == 2 and all("holds another run" in ln for ln in failed), r.stderr
+    assert {p.name: snapshot(p) for p in runs} == before
