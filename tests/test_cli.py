@@ -68,6 +68,9 @@ def test_run_writes_everything(tmp_path):
     assert len(part["train"]) == 10 and len(part["eval_sets"]["S"]) == 10
     assert not list(out.glob(".*.tmp"))  # no temp file left behind
     assert (out / ".hydra" / "config.yaml").exists()
+    # no terminal (a pipe, a SLURM log): one progress line per evaluation
+    lines = [ln for ln in r.stdout.splitlines() if "] - round " in ln]
+    assert len(lines) == 2 and "round 2/2 | personal L " in lines[1] and "s/round" in lines[1]
 
 
 @pytest.mark.slow
