@@ -37,11 +37,12 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-# Launcher presets and the Hydra plugin each needs (optional extras of the package).
+# Launcher and sweeper presets and the Hydra plugin each needs (optional extras).
 LAUNCHERS = {
     "joblib_local": ("hydra_plugins.hydra_joblib_launcher", "joblib"),
     "slurm": ("hydra_plugins.hydra_submitit_launcher", "slurm"),
 }
+SWEEPERS = {"optuna_lr": ("hydra_plugins.hydra_optuna_sweeper", "optuna")}
 
 
 def plugin_installed(module: str) -> bool:
@@ -60,12 +61,13 @@ def check_overrides(argv: list[str]) -> str | None:
             continue
         key, _, value = arg.partition("=")
         key = key.lstrip("+~")
-        if key == "hydra/launcher" and value in LAUNCHERS:
-            module, extra = LAUNCHERS[value]
+        presets = {"hydra/launcher": LAUNCHERS, "hydra/sweeper": SWEEPERS}.get(key, {})
+        if value in presets:
+            module, extra = presets[value]
             if not plugin_installed(module):
                 return (
-                    f"fedbench: hydra/launcher={value} needs its Hydra plugin: "
-                    f"pip install -e '.[{extra}]'"
+                    f"fedbench: {key}={value} needs its Hydra plugin: "
+                    f"pip install 'fedbench[{extra}]'"
                 )
             continue
         if key not in GROUPS or not value:
@@ -204,6 +206,16 @@ def _jobs(overrides: list[str]) -> list[list[str]] | None:
     return [list(job) for batch in batches for job in batch]
 
 
+def _fixed_overrides(overrides: list[str]) -> list[str] | None:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001
+        return None
+    return [o.input_line for o in parsed if not o.is_sweep_override()]
+
+
 # A sweep larger than this has its first job's values checked here and the rest job by job
 # (composing a config takes ~50 ms).
 MAX_CHECKED_JOBS = 500
@@ -226,9 +238,11 @@ def precheck(argv: list[str]) -> Plan:
     overrides = list(args.overrides)
     if args.multirun:
         jobs = _jobs(overrides)
-        if jobs is None:
-            first = _first_overrides(overrides, True)
-            jobs = [first] if first is not None else []
+        if jobs is None:  # an interval (Optuna's search space): check the fixed values
+            fixed = _fixed_overrides(overrides)
+            if fixed is None:
+                return Plan()  # Hydra reports what it cannot parse
+            jobs = [fixed]
         elif len(jobs) > MAX_CHECKED_JOBS:
             jobs = jobs[:1]
     else:
@@ -382,10 +396,10 @@ def _remove_created(out: Path, created: Path | None) -> None:
 
 
 def _make_task(plan: Plan):
-    def task(cfg: DictConfig) -> None:
+    def task(cfg: DictConfig) -> float | None:
         from omegaconf import OmegaConf
 
-        from fedbench.runner import Interrupted, Run, final_table
+        from fedbench.runner import Interrupted, Run, final_table, objective
 
         hc = HydraConfig.get()
         out = Path(hc.runtime.output_dir)
@@ -432,6 +446,7 @@ def _make_task(plan: Plan):
             sys.exit(1)
         print(final_table(summary))
         print(f"results in {out}")
+        return objective(summary, str(cfg.objective.metric), str(cfg.objective.at))
 
     task.__module__ = __name__
     return task

@@ -72,6 +72,18 @@ class AttackParams:
 
 
 @dataclass
+class ObjectiveParams:
+    metric: str
+    at: Literal["final", "best"]
+
+
+OBJECTIVE = re.compile(
+    r"^((personal|global|head|trained)\.(L|S|G)\.(avg|weighted|std|top5|bottom5|min|max)"
+    r"|global\.all)$"
+)
+
+
+@dataclass
 class CheckpointParams:
     every: int = nonneg()
 
@@ -92,6 +104,7 @@ class RunParams:
     eval: EvalParams
     engine: EngineParams
     attack: AttackParams
+    objective: ObjectiveParams
     checkpoint: CheckpointParams
     resume: bool
 
@@ -265,6 +278,12 @@ def _check_together(node: dict, groups: dict) -> None:
     device = node["device"]
     if not _DEVICE.match(device):
         raise ConfigError(f"device={device!r}; valid: auto, cpu, cuda, cuda:N")
+    metric = node["objective"]["metric"]
+    if not OBJECTIVE.match(metric):
+        raise ConfigError(
+            f"objective.metric={metric!r}; valid: <personal|global|head|trained>.<L|S|G>."
+            "<avg|weighted|std|top5|bottom5|min|max>, or global.all"
+        )
     p = node["participation"]
     if p > 1 and (p != int(p) or p > n):
         raise ConfigError(

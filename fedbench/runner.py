@@ -174,6 +174,7 @@ RESUME_MAY_CHANGE = (
     "eval.every",
     "eval.batch_size",
     "checkpoint",
+    "objective",
     "device",
     "engine",
     "resume",
@@ -713,6 +714,15 @@ def _postfix(summ: dict) -> str:
         if summ.get(kind):
             parts.append(f"{kind[0]}.acc={summ[kind]['L']['avg']:.3f}")
     return " ".join(parts)
+
+
+def objective(summary: dict, metric: str, at: str = "final") -> float:
+    """The summary's `metric` (e.g. personal.L.avg) at its final or best evaluation: what a
+    run returns to a Hydra sweeper. NaN where the run has no such model or set."""
+    node = summary.get(at) or {}
+    for part in metric.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return float(node) if isinstance(node, int | float) else float("nan")
 
 
 def final_table(summary: dict) -> str:

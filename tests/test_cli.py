@@ -378,3 +378,41 @@ def test_paper_cell_runs_on_cifar_format_files(tmp_path, preset, algo):
     s = Run(cfg, tmp_path / "run", progress=False).run()
     assert s["data"] == "cifar10" and s["final"]["round"] == 1
     assert s["size"]["params_global_M"] > 0 and s["size"]["comm_MB"] > 0
+
+
+# --------------------------------------------------------------------------- tuning
+@pytest.mark.quick
+def test_objective_reads_the_summary():
+    from fedbench.runner import objective
+
+    s = {"final": {"personal": {"L": {"avg": 0.8}}, "global": {"all": 0.5}},
+         "best": {"personal": {"L": {"avg": 0.9}}}}  # fmt: skip
+    assert objective(s, "personal.L.avg") == 0.8
+    assert objective(s, "personal.L.avg", "best") == 0.9
+    assert objective(s, "global.all") == 0.5
+    assert objective(s, "global.L.avg") != objective(s, "global.L.avg")  # NaN: no such set
+
+
+@pytest.mark.slow
+@needs_fmnist
+def test_optuna_study_tunes_the_learning_rate(tmp_path):
+    """Hydra's Optuna sweeper drives fedbench: each trial returns its final personal L
+    accuracy; the study's best is the best trial's."""
+    from fedbench.cli import plugin_installed
+
+    if not plugin_installed("hydra_plugins.hydra_optuna_sweeper"):
+        pytest.skip("pip install 'fedbench[optuna]'")
+    sweep = tmp_path / "study"
+    r = fedbench("-m", "hydra/sweeper=optuna_lr", "hydra.sweeper.n_trials=3", *SMALL,
+                 f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    import yaml
+
+    res = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    trials = {}
+    for p in sweep.glob("*/summary.json"):
+        lr = yaml.safe_load((p.parent / ".hydra" / "config.yaml").read_text())["optim"]["lr"]
+        trials[lr] = json.loads(p.read_text())["final"]["personal"]["L"]["avg"]
+    assert len(trials) == 3
+    assert res["best_value"] == max(trials.values())
+    assert trials[res["best_params"]["optim.lr"]] == res["best_value"]
