@@ -19,8 +19,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from fedbench.errors import FedbenchError
+from fedbench.paths import CONF_DIR  # noqa: E402 (after the stdlib imports above)
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("data", "split", "model", "algo", "experiment", "paper")
 EXIT_BAD_INPUT = 2
 
@@ -33,8 +33,22 @@ if not OmegaConf.has_resolver("fedbench.uid"):
     OmegaConf.register_new_resolver("fedbench.uid", lambda: _UID)
 
 
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+def group_options(group: str, user_dirs: tuple[str, ...] = ()) -> list[str]:
+    """The options of a config group: fedbench's and those in the user's `--config-dir`s."""
+    dirs = [CONF_DIR, *(Path(d).expanduser() for d in user_dirs)]
+    return sorted({p.stem for d in dirs for p in (d / group).glob("*.yaml")})
+
+
+def user_config_dirs(argv: list[str]) -> tuple[str, ...]:
+    """The directories of Hydra's `--config-dir` / `-cd` flags: a user's own configs
+    (an `algo/<name>.yaml`, an `experiment/<preset>.yaml`) beside fedbench's."""
+    out = []
+    for i, a in enumerate(argv):
+        if a in ("--config-dir", "-cd") and i + 1 < len(argv):
+            out.append(argv[i + 1])
+        elif a.startswith("--config-dir="):
+            out.append(a.partition("=")[2])
+    return tuple(out)
 
 
 # Launcher and sweeper presets and the Hydra plugin each needs (optional extras).
@@ -56,6 +70,7 @@ def plugin_installed(module: str) -> bool:
 def check_overrides(argv: list[str]) -> str | None:
     """Hydra reports an unknown group option with a multi-line message and exit 1; we want
     one line naming the valid options, and exit 2, before Hydra starts."""
+    user = user_config_dirs(argv)
     for arg in argv:
         if arg.startswith("-") or "=" not in arg:
             continue
@@ -74,13 +89,13 @@ def check_overrides(argv: list[str]) -> str | None:
             continue
         for v in value.split(","):
             v = v.strip()
-            if v and v not in ("null",) and v not in group_options(key):
+            if v and v not in ("null",) and v not in group_options(key, user):
                 if key == "algo" and _registered_algorithm(v):
                     return (
                         f"fedbench: algo {v!r} is registered by a module but conf/algo/{v}.yaml "
                         "is missing: add it, listing every hyperparameter with its default"
                     )
-                valid = ", ".join(group_options(key))
+                valid = ", ".join(group_options(key, user))
                 return f"fedbench: unknown {key} {v!r}; valid: {valid}"
     return None
 
@@ -100,7 +115,6 @@ _HYDRA_OWN = (
     "shell_completion",
     "config_path",
     "config_name",
-    "config_dir",
     "experimental_rerun",
 )
 
@@ -128,7 +142,9 @@ def _first_overrides(overrides: list[str], multirun: bool) -> list[str] | None:
     return out
 
 
-def _unknown_key_message(err: Exception, overrides: list[str]) -> str | None:
+def _unknown_key_message(
+    err: Exception, overrides: list[str], user_dirs: tuple[str, ...] = ()
+) -> str | None:
     """Hydra's struct error for `a.b=v` with no key a.b, as one line listing the valid keys."""
     cause = err.__cause__
     if cause is None or "is not in struct" not in str(cause):
@@ -139,7 +155,7 @@ def _unknown_key_message(err: Exception, overrides: list[str]) -> str | None:
     parent = key.rpartition(".")[0]
     rest = [o for o in overrides if o.partition("=")[0].lstrip("+~") != key]
     try:
-        cfg = _compose(rest)
+        cfg = _compose(rest, user_dirs)
     except Exception:  # noqa: BLE001
         return f"fedbench: {key}: not a config key"
     from omegaconf import OmegaConf
@@ -154,9 +170,12 @@ def _unknown_key_message(err: Exception, overrides: list[str]) -> str | None:
     return f"fedbench: {key}: not a config key; valid keys{where}: {', '.join(valid)}"
 
 
-def _compose(overrides: list[str]):
+def _compose(overrides: list[str], user_dirs: tuple[str, ...] = ()):
     from hydra import compose, initialize_config_dir
 
+    if user_dirs and not any(o.startswith("hydra.searchpath=") for o in overrides):
+        paths = ",".join(f"file://{Path(d).expanduser().absolute()}" for d in user_dirs)
+        overrides = [*overrides, f"hydra.searchpath=[{paths}]"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="fedbench"):
         return compose("config", overrides=overrides, return_hydra_config=True)
 
@@ -236,6 +255,7 @@ def precheck(argv: list[str]) -> Plan:
     if any(getattr(args, flag, None) for flag in _HYDRA_OWN):
         return Plan()
     overrides = list(args.overrides)
+    user = tuple([args.config_dir] if args.config_dir else [])
     if args.multirun:
         jobs = _jobs(overrides)
         if jobs is None:  # an interval (Optuna's search space): check the fixed values
@@ -249,7 +269,7 @@ def precheck(argv: list[str]) -> Plan:
         jobs = [overrides]
     plan = Plan(multirun=bool(args.multirun))
     for i, job in enumerate(jobs):
-        cfg = _compose_checked(job)
+        cfg = _compose_checked(job, user)
         where = f" (job {i}: {' '.join(job)})" if args.multirun and len(jobs) > 1 else ""
         _check_job(cfg, where)
         if i == 0:
@@ -268,15 +288,17 @@ def refusal(argv: list[str]) -> str | None:
         return str(e)
 
 
-def _compose_checked(overrides: list[str]):
+def _compose_checked(overrides: list[str], user_dirs: tuple[str, ...] = ()):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        return _compose(overrides)
+        return _compose(overrides, user_dirs)
     except (HydraException, OmegaConfBaseException) as e:
         raise BadInput(
-            _unknown_key_message(e, overrides) or _experiment_hint(e) or f"fedbench: {_one_line(e)}"
+            _unknown_key_message(e, overrides, user_dirs)
+            or _experiment_hint(e)
+            or f"fedbench: {_one_line(e)}"
         ) from None
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -12,9 +11,10 @@ from torch import nn
 from fedbench.algorithms.params import check_params
 from fedbench.engine import Engine, OptimConfig, TrainResult
 from fedbench.errors import ConfigError
+from fedbench.paths import CONF_DIR
 from fedbench.registry import Registry
 
-CONF_ALGO = Path(__file__).resolve().parents[2] / "conf" / "algo"
+CONF_ALGO = CONF_DIR / "algo"
 
 
 class AlgorithmRegistry(Registry["type[Algorithm]"]):
