@@ -5,7 +5,7 @@ The algorithms' keys are checked by their own `Params` (fedbench/algorithms/para
 module holds the rest with the same machinery: the run's top-level keys and sub-groups
 (`optim`, `eval`, `engine`, `attack`, `checkpoint`), and one dataclass per option of the
 `data`, `split` and `model` groups, whose fields are exactly the keys of that option's YAML
-(`conf/<group>/<option>.yaml`; tests/test_config.py holds the two to each other). Checks that
+(`conf/<group>/<option>.yaml`; tests/test_reliability.py holds the two to each other). Checks that
 need more than one key (participation against clients, the attack's honest clients, the
 device string, data.root) follow in `check_config`.
 """
@@ -72,6 +72,26 @@ class AttackParams:
 
 
 @dataclass
+class WandbParams:
+    project: str | None
+    mode: Literal["offline", "online", "disabled"]
+    entity: str | None
+
+
+@dataclass
+class MlflowParams:
+    uri: str | None
+    experiment: str
+
+
+@dataclass
+class LogParams:
+    tensorboard: bool
+    wandb: WandbParams
+    mlflow: MlflowParams
+
+
+@dataclass
 class ObjectiveParams:
     metric: str
     at: Literal["final", "best"]
@@ -104,6 +124,7 @@ class RunParams:
     eval: EvalParams
     engine: EngineParams
     attack: AttackParams
+    log: LogParams
     objective: ObjectiveParams
     checkpoint: CheckpointParams
     resume: bool
@@ -278,6 +299,9 @@ def _check_together(node: dict, groups: dict) -> None:
     device = node["device"]
     if not _DEVICE.match(device):
         raise ConfigError(f"device={device!r}; valid: auto, cpu, cuda, cuda:N")
+    from fedbench.tracking import check_installed
+
+    check_installed(node["log"])
     metric = node["objective"]["metric"]
     if not OBJECTIVE.match(metric):
         raise ConfigError(

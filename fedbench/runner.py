@@ -42,6 +42,7 @@ from fedbench.evaluation import SETS, evaluate, summaries
 from fedbench.io import CsvAppender, atomic_write, atomic_write_json, atomic_write_text
 from fedbench.models import build_model
 from fedbench.rundir import RunDir, holds_run
+from fedbench.tracking import Sinks
 
 log = logging.getLogger("fedbench")
 
@@ -174,6 +175,7 @@ RESUME_MAY_CHANGE = (
     "eval.every",
     "eval.batch_size",
     "checkpoint",
+    "log",
     "objective",
     "device",
     "engine",
@@ -365,17 +367,20 @@ class Run:
             for rel, text in files.items():
                 atomic_write_text(self.out / rel, text)
             with _log_file(self.out / "run.log"):
+                sinks = Sinks.from_cfg(_plain(self.cfg.get("log")))
                 try:
-                    summary = self._run()
+                    summary = self._run(sinks)
                 except Exception as e:
                     log.error("%s", e, exc_info=not isinstance(e, FedbenchError))
                     with contextlib.suppress(OSError, FedbenchError):
                         atomic_write_text(self.out / ERROR_FILE, f"{e}\n")
                     raise
+                finally:
+                    sinks.close()
                 (self.out / ERROR_FILE).unlink(missing_ok=True)
                 return summary
 
-    def _run(self) -> dict:
+    def _run(self, sinks: Sinks) -> dict:
         cfg = self.cfg
         atomic_write_json(
             self.out / "partition.json", {**self.partition.to_json(), "eval_sets": self.eval_sets}
@@ -411,6 +416,7 @@ class Run:
         }
         if cfg.resume and (self.out / CHECKPOINT).exists():
             st = self._restore()
+        sinks.start(_plain(cfg), self.out, bool(cfg.resume))
         metrics = _appender(self.out / "metrics.csv", st["metrics_csv"])
         clients = _clients_appender(self.out / "clients.csv", st["clients_len"])
         comm = st["comm"]
@@ -441,6 +447,7 @@ class Run:
                     row.update(size_columns(self.algo, comm, t + 1, info, len(chosen)))
                     row.update(_flatten(summ))
                     metrics.append([row])
+                    sinks.log(t + 1, row)
                     clients.append(_client_frame(t + 1, res).to_dict("records"))
                     st["size"] = {k: row[k] for k in SIZE_KEYS if k in row}
                     st["final"] = {"round": t + 1, **summ}
@@ -481,6 +488,7 @@ class Run:
         if st["size"]:
             summary["size"] = st["size"]
         atomic_write_json(self.out / "summary.json", summary)
+        sinks.finish(summary)
         return summary
 
     def _check_loss(self, info: dict, t: int) -> float:
