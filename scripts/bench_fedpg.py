@@ -4,11 +4,13 @@ For the FedPG appendix's FMNIST setting (fedpg_table1_fmnist: 100 clients, pat-2
 784-200-200-10, E = 5, batch 50) this prints, per round, the seconds FedPG and S-FedPG spend in
 the clients' full gradients (one `Engine.full_grads` call), in the server's direction (the
 normalization, history, fairness row, the min-norm QP from the Gram matrix and the rescaling,
-plus the personalized coefficients r_i; of which the float64 Gram matrix of the QP's rows and
-the cvxopt solve on it, with the number of rows) and in S-FedPG's line search (its loss
-queries), next to a whole FedAvg round (E local epochs) on the same sampled clients.
-Participation 10% (the tables) and 100% (100 clients online: the largest QP). Each number
-is the median over the timed rounds after one warm-up round (shared machines are noisy).
+plus the personalized coefficients r_i and directions p_i; of which the float64 Gram matrix of
+the QP's rows and the cvxopt solve on it, with the number of rows) and in S-FedPG's line
+search (its loss queries), next to a whole FedAvg round (E local epochs) on the same sampled
+clients. Participation 10% (the tables) and 100% (100 clients online: the largest QP). Each
+number is the median over the timed rounds after one warm-up round (shared machines are
+noisy). The times come from FedPG's opt-in profiler (`fedpg.SectionTimer`, which synchronizes
+the device at each section's ends; a run without it pays no such synchronization).
 
     python scripts/bench_fedpg.py                       # CPU (CUDA if present: device=auto)
     (from the repository root; PYTHONPATH=. if another fedbench checkout is installed)
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from fedbench.algorithms.fedpg import SectionTimer
 from fedbench.runner import Run
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -51,12 +54,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# FedPG's profiler sections: "direction" = steps 2-6 (with "gram" and "qp_solve" inside it),
+# "personal" = r_i and p_i; "rows" = the QP's rows (a note). "qp" below: direction + personal.
+SECTIONS = ("grads", "direction", "gram", "qp_solve", "rows", "line_search", "personal")
+
+
 def bench(algo: str, participation: float, device: str, reps: int, tmp: Path) -> dict:
     run = build(algo, participation, device, tmp)
-    keys = ("grads", "qp", "gram", "qp_solve", "rows", "line_search")
-    rows: dict[str, list[float]] = {"round": [], **{k: [] for k in keys}}
+    timer = None
+    if hasattr(run.algo, "profiler"):  # FedPG, S-FedPG: opt in
+        timer = run.algo.profiler = SectionTimer(run.device)
+    rows: dict[str, list[float]] = {"round": [], "qp": [], **{k: [] for k in SECTIONS}}
     for t in range(reps + 1):
         clients = run.sample()
+        if timer is not None:
+            timer.times.clear()
         sync(run.device)
         t0 = time.perf_counter()
         run.algo.round(t, clients)
@@ -64,8 +76,11 @@ def bench(algo: str, participation: float, device: str, reps: int, tmp: Path) ->
         if t == 0:
             continue  # warm-up
         rows["round"].append(time.perf_counter() - t0)
-        for k in keys:
-            rows[k].append(getattr(run.algo, "timing", {}).get(k, float("nan")))
+        # a section a round skipped (no online client, no line search) took 0 s
+        got = {k: timer.times.get(k, 0.0) if timer is not None else float("nan") for k in SECTIONS}
+        got["qp"] = got["direction"] + got["personal"]
+        for k, v in got.items():
+            rows[k].append(v)
     return {k: statistics.median(v) for k, v in rows.items()} | {"device": str(run.device)}
 
 

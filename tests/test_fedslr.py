@@ -1,4 +1,4 @@
-"""FedSLR (specs/fedslr.md): the prox operators against hand-computed values, the
+"""FedSLR (docs/papers/fedslr.md): the prox operators against hand-computed values, the
 memory-efficient server against the per-client form, the zero-penalty reduction, and a
 real FMNIST run whose mixed model learns while its GKR becomes low rank."""
 

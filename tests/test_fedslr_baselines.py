@@ -1,4 +1,4 @@
-"""FedSLR's baselines (specs/fedslr.md): FedDyn and SCAFFOLD remove client drift on
+"""FedSLR's baselines (docs/papers/fedslr.md): FedDyn and SCAFFOLD remove client drift on
 heterogeneous quadratic clients where FedAvg with many local steps does not; LG-FedAvg
 and FedSpa move only what they should; per-client state survives a checkpoint; every
 algorithm of the FedSLR issue learns on real FMNIST."""

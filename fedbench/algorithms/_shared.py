@@ -1,6 +1,10 @@
-"""Small pieces shared by the DiversiFed family of algorithms (not an algorithm module: the
-leading underscore keeps it out of the registry scan).
+"""Small pieces shared by several algorithm modules (not an algorithm module: the leading
+underscore keeps it out of the registry scan).
 
+- `state_entries`: a [D] boolean over a state's entries from a [P] mask over its parameters
+  (the head of FedRep, LG-FedAvg and SplitGP, FedRoD's shared part).
+- `dynamic_clients` / `dynamic_server`: FedDyn's client step and server mean (Acar et al.,
+  Algorithm 1), which FedDyn and FedSLR's Phase I both call in their own `round`.
 - `pairwise_sq_dists`: all squared distances between flattened models from one Gram matrix
   (DiversiFed, FedAMP); O(N^2 P) in one matmul instead of a double loop.
 - `mix_parameters`: a server's combination of clients' models with the paper's (possibly
@@ -18,7 +22,47 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedbench.engine import Engine
+from fedbench.engine import Engine, TrainResult
+from fedbench.engine.terms import dynamic
+
+
+def state_entries(param_mask: torch.Tensor, n_state: int, *, buffers: bool = False) -> torch.Tensor:
+    """[D] bool over a state's entries (parameters, then buffers: `engine.spec`) from a [P]
+    bool `param_mask` over its parameters; the buffer entries are `buffers`. On the mask's
+    device."""
+    out = torch.full((n_state,), buffers, dtype=torch.bool, device=param_mask.device)
+    out[: param_mask.numel()] = param_mask
+    return out
+
+
+# ---------------------------------------------------------------------- FedDyn's Phase I
+def dynamic_clients(
+    algo, theta: torch.Tensor, lam: torch.Tensor, clients, t: int, alpha: float
+) -> tuple[TrainResult, torch.Tensor]:
+    """The sampled clients of FedDyn (Acar et al. Algorithm 1, lines 6-7; FedSLR's Phase I,
+    its Algorithm 1 lines 4-9): from theta^t [D], `Algorithm.local_train` (the run's
+    epochs and optimizer, its weight decay included) on
+        f_i(x) - <lam_i, x> + (alpha / 2) ||x - theta^t||^2      (`terms.dynamic`),
+    then lam_i <- lam_i - alpha (x_i - theta^t) on the parameters.
+    `lam`: the clients' lam_i [C, P]. Returns (the training result, whose states are the
+    x_i [C, D] the clients upload; the new lam_i [C, P])."""
+    res = algo.local_train(theta, clients, t, terms=dynamic(lam, theta, alpha))
+    P = lam.shape[1]
+    return res, lam - alpha * (res.states[:, :P] - theta[:P])
+
+
+def dynamic_server(
+    x: torch.Tensor, theta: torch.Tensor, h: torch.Tensor, alpha: float, n_clients: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FedDyn's memory-efficient server (Acar et al. Algorithm 1, lines 9-10; FedSLR
+    Algorithm 3) on the uploads x [C, D] from theta^t [D], with only h = (1/N) sum_i lam_i
+    [P] kept: (h - (alpha / N) sum_i (x_i - theta^t), z = mean_i x_i - h_new / alpha), the
+    correction on the parameters only (buffers: the plain mean)."""
+    P = h.numel()
+    h = h - (alpha / n_clients) * (x[:, :P] - theta[:P]).sum(0)
+    z = x.mean(0)
+    z[:P] -= h / alpha
+    return h, z
 
 
 def pairwise_sq_dists(w: torch.Tensor, rel_tol: float = 1e-8, chunk: int = 1 << 20) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """FedDyn (Acar et al., ICLR 2021, "Federated Learning Based on Dynamic Regularization",
-Algorithm 1; specs/fedslr.md "Baselines").
+Algorithm 1; docs/papers/fedslr.md).
 
 Round t, each sampled client i, from the server model theta^t, E epochs of the run's
 optimizer on the local problem (Algorithm 1, line 6)
@@ -13,6 +13,8 @@ presets: 1e-3) is the optimizer's, as the authors' code. Uniform means, as the p
 Reports the global model theta (a global method: no personal rows are kept).
 Buffers: averaged (weights >= 0); the correction -h / alpha acts on parameters only.
 Per-client state g_i ([N, P]) and h are in `state_keys` (checkpoints).
+The client step and the server mean are `_shared.dynamic_clients` / `dynamic_server`, which
+FedSLR's Phase I calls too.
 Not a reconstruction.
 """
 
@@ -23,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedbench.algorithms._shared import dynamic_clients, dynamic_server
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.algorithms.params import positive
-from fedbench.engine.terms import dynamic
 
 
 @dataclass
@@ -50,31 +52,15 @@ class FedDyn(Algorithm):
         self.lam = torch.zeros(self.N, P, device=self.device)  # [N, P] clients' g_i / lambda_i
         self.h = torch.zeros(P, device=self.device)  # [P] (1/N) sum_i lambda_i
 
-    # ------------------------------------------------------------------ Phase I pieces
-    def local_phase(self, t: int, clients: np.ndarray):
-        """The clients' local problems from theta^t; updates their lambda_i and returns
-        (the server's uploads x_i [C, D], the train result)."""
-        idx = torch.as_tensor(clients, device=self.device)
-        P = self.engine.n_params
-        lam = self.lam[idx]
-        res = self.local_train(self.theta, clients, t, terms=dynamic(lam, self.theta, self.alpha))
-        self.lam[idx] = lam - self.alpha * (res.states[:, :P] - self.theta[:P])  # client side
-        x = self.receive(res.states, clients, ref=self.theta)
-        return x, res
-
-    def server_average(self, x: torch.Tensor) -> torch.Tensor:
-        """Memory-efficient server (FedDyn Alg. 1 lines 9-10; FedSLR Alg. 3): update h from
-        the uploads, return z = mean x_i - h / alpha."""
-        P = self.engine.n_params
-        self.h = self.h - (self.alpha / self.N) * (x[:, :P] - self.theta[:P]).sum(0)
-        z = x.mean(0)
-        z[:P] -= self.h / self.alpha
-        return z
-
-    # ------------------------------------------------------------------ the contract
     def round(self, t: int, clients: np.ndarray) -> dict:
-        x, res = self.local_phase(t, clients)
-        self.theta = self.server_average(x)
+        idx = torch.as_tensor(clients, device=self.device)
+        # clients (lines 6-7): the local problem from theta^t, then lambda_i (client side)
+        res, self.lam[idx] = dynamic_clients(
+            self, self.theta, self.lam[idx], clients, t, self.alpha
+        )
+        x = self.receive(res.states, clients, ref=self.theta)  # the uploads x_i
+        # server (lines 9-10): h, then theta^{t+1} = mean x_i - h / alpha
+        self.h, self.theta = dynamic_server(x, self.theta, self.h, self.alpha, self.N)
         return {"train_loss": res.loss.mean(), **self.comm(clients)}
 
     def global_state(self) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """FedPG and S-FedPG ("Preserving Global Performance in Personalized Federated Learning";
-appendix: ../shared/papers/fedpg-appendix.txt; the exact updates: specs/fedpg.md).
+anonymous ICCV submission, paper ID 6989, whose appendix alone is public; the exact
+updates: docs/papers/fedpg.md).
 
 Round t, sampled set S_t, step eta_t = eta_0 0.999^t (`optim.lr`, `optim.lr_decay`):
 1. Each sampled client reports L_i = F_i(w^t) and g_i = grad F_i(w^t) on its whole training
@@ -42,6 +43,13 @@ the tables make every gamma row more personal than plain FedPG and more so as ga
 so gamma raises r_i: `gamma_mode: floor` r_i <- max(gamma, r_i) (default), `scale`
 min(1, gamma r_i), `cap` min(gamma, r_i); `gamma: null` (plain FedPG) leaves r_i as is.
 
+In the code: `FedPG.round` is the list above, one call per step: 1 `reports`, 2 `normalize`,
+3 `history_rows` then `store_directions`, 4 `fairness_row`, 5 `common_direction` (on the
+Gram matrix `gram(Q)`), 6 `rescale_direction`, 7 `step_size` (S-FedPG overrides it with
+`line_search`) and `update`; the personalized directions are `personalize`. A round
+synchronizes the device only where the algorithm needs a number on the host (listed in
+`FedPG`'s docstring); timing its sections is opt-in (`profiler`, `SectionTimer`).
+
 Communication per sampled client: up g_i (P) + L_i (1), down w^t (D) + d (P) + r_i (1); per
 online client (the ones the line search queries) one step size down and one loss up per trial.
 Buffers: averaged (weights >= 0): the global buffers are the sample-weighted mean of the
@@ -51,6 +59,7 @@ models take the global buffers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -162,6 +171,19 @@ def rescale(d: torch.Tensor, Q: torch.Tensor, target: float, tol: float = DESCEN
     return d * c, sigma
 
 
+def rescale_direction(
+    d: torch.Tensor, Qd: np.ndarray, lam: np.ndarray | None, gh: torch.Tensor
+) -> tuple[torch.Tensor, np.ndarray, float]:
+    """Step 6 on step 5's d = Q^T lam with its products Qd = Q d = K lam (float64): (d, Q d,
+    sigma) with d rescaled to the norm ||mean_online gh|| unless that breaks Q d >= -tol
+    (`rescale_factor`; ||d_old|| = sqrt(lam^T K lam)). lam None (d = g_1, or the fallback
+    mean: not the QP's): d and Qd as they are, sigma = 1."""
+    if lam is None:
+        return d, Qd, 1.0
+    c, sigma = rescale_factor(Qd, float(np.sqrt(max(lam @ Qd, 0.0))), float(gh.mean(0).norm()))
+    return d * c, c * Qd, sigma
+
+
 def personal_coeffs_from(D: np.ndarray, K: np.ndarray, online: int) -> np.ndarray:
     """r_i of the first `online` rows from D_j = d.gh_j and K = G G^T (appendix A.1.2):
     temp_j = (D_j - K_ij) / D_j (|D_j| >= 1e-12), temp_i = 1, r_i = min(1, 1 / max_j temp_j)."""
@@ -236,14 +258,69 @@ def line_search(
     return min(tried, key=lambda el: float(el[1].mean()))[0], len(tried)
 
 
+# ---------------------------------------------------------------------- opt-in profiling
+class NoProfiler:
+    """FedPG's default profiler: every section is the one shared no-op context (no clock
+    read, no device synchronization), every note is dropped."""
+
+    _none = contextlib.nullcontext()
+
+    def section(self, name: str) -> contextlib.AbstractContextManager:
+        return self._none
+
+    def note(self, name: str, value: float) -> None:
+        pass
+
+
+class SectionTimer(NoProfiler):
+    """Opt-in (scripts/bench_fedpg.py: `algo.profiler = SectionTimer(device)`): wall seconds
+    per named section of a round, summed into `times` until the caller clears it, with the
+    device synchronized at each boundary so that a section holds the device work it queued
+    (the synchronizations a normal round does not pay). `note` records a number as is."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.times: dict[str, float] = {}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def section(self, name: str):
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+    def note(self, name: str, value: float) -> None:
+        self.times[name] = value
+
+
 # ---------------------------------------------------------------------- the algorithm
 @ALGORITHMS.register("fedpg")
 class FedPG(TrainedOrGlobal, Algorithm):
+    """FedPG: `round` is the module docstring's steps 1-7 in order, one call each.
+
+    Device synchronizations in a round (on CUDA; none is for logging or profiling): the
+    sampled ids sent to the device; the boolean selections of the online clients (their
+    count sizes the QP) and step 2's `bool(keep.any())` and mu; step 3's M (tau = M // |S_t|
+    on the host) and the absent clients' ids; step 4's ||g_F|| (its drop test); steps 5-6
+    on the CPU: the Gram matrix down (cvxopt solves the QP there), lambda up, the rescaling's
+    target ||mean gh||, the fallback's G d down; r_i up; the online clients' ids down when
+    buffers are averaged; S-FedPG's line search (each trial's losses down for the Armijo
+    test, its online ids and fairness derivative). The train loss is returned as a tensor:
+    the runner reads it on evaluation rounds only. `profiler` (default `NoProfiler`) times
+    the sections: `SectionTimer` opts in."""
+
     name = "fedpg"
     Params = FedPGParams
     attackable = True
-    line_search = False
     state_keys = ("w", "theta", "seen", "hist", "last", "prev", "counts")
+    profiler: NoProfiler = NoProfiler()
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
@@ -256,118 +333,141 @@ class FedPG(TrainedOrGlobal, Algorithm):
         # cumulative: [QP fallbacks, rounds that used history, line-search queries]
         self.counts = torch.zeros(3, dtype=torch.long)
         self._warned = False
-        self.timing: dict[str, float] = {}
-
-    # -------------------------------------------------------------- client reports
-    def reports(self, t: int, clients) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-        """(L [C] at w^t, g [C, P], buffers [C, D-P], mean local training loss)."""
-        P, w = self.engine.n_params, self.w
-        if self.hp.client_grad == "full":
-            res = self.engine.full_grads(w, clients)
-            return res.loss, res.grads, res.buffers, float(res.loss.mean())
-        eta = self.optim.lr_at(t)
-        tr = self.local_train(w, clients, t)
-        g = (w[None, :P] - tr.states[:, :P]) / eta
-        L = self.engine.full_grads(w, clients, with_grad=False).loss
-        return L, g, tr.states[:, P:], float(tr.loss.mean())
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def round(self, t: int, clients: np.ndarray) -> dict:
         clients = np.asarray(clients)
-        P, D = self.engine.n_params, self.engine.n_state
-        w, eta = self.w, self.optim.lr_at(t)
         idx = torch.as_tensor(clients, device=self.device)
-        t0 = time.perf_counter()
-        L, g, bufs, train_loss = self.reports(t, clients)
+        prof = self.profiler
+        with prof.section("grads"):
+            L, g, bufs, train_loss = self.reports(t, clients)  # step 1
+        with prof.section("direction"):
+            keep, mu, gh = normalize(g, rule=self.hp.mu_rule)  # step 2
+            if gh.shape[0] == 0:  # no client to learn from: w stays, the sampled deploy it
+                d = torch.zeros(self.engine.n_params, device=self.device)
+                self.update(clients, idx, keep, bufs, d, 0.0, None)
+                return self.round_info(clients, 0, 0, 0.0, train_loss)
+            L_on, g_on = L[keep], g[keep]
+            H = self.history_rows(t, idx, mu)  # step 3
+            self.store_directions(t, idx[keep], g_on)
+            gF = fairness_row(L_on, gh, mu)  # step 4
+            G = torch.cat([gh, H])  # the rows the personalized directions respect
+            Q = G if gF is None else torch.cat([G, gF[None]])
+            with prof.section("gram"):
+                K = gram(Q)  # Q Q^T, float64 on the CPU: steps 5-6 and r_i work on it
+            prof.note("rows", Q.shape[0])
+            d, Qd, lam = self.common_direction(t, Q, K, G, gh)  # step 5
+            d, Qd, sigma = rescale_direction(d, Qd, lam, gh)  # step 6
+        with prof.section("line_search"):  # step 7's step: eta_t (S-FedPG: Algorithm 1)
+            used_history = H.shape[0] > 0
+            step, trials = self.step_size(t, clients, idx, keep, L_on, g_on, d, sigma, used_history)
+        with prof.section("personal"):  # appendix A.1.2
+            nG = G.shape[0]
+            p = self.personalize(d, gh, Qd[:nG], K[:nG, :nG])
+        self.update(clients, idx, keep, bufs, d, step, p)  # step 7: w^{t+1} and the theta_i
+        return self.round_info(clients, gh.shape[0], trials, step, train_loss)
+
+    # -------------------------------------------------------------- the steps
+    def reports(
+        self, t: int, clients
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step 1 as the server receives it: (L [C] at w^t, g [C, P], buffers [C, D-P], the
+        mean local training loss, a 0-d tensor)."""
+        P, w = self.engine.n_params, self.w
+        if self.hp.client_grad == "full":
+            res = self.engine.full_grads(w, clients)
+            L, g, bufs, train_loss = res.loss, res.grads, res.buffers, res.loss.mean()
+        else:
+            eta = self.optim.lr_at(t)
+            tr = self.local_train(w, clients, t)
+            g = (w[None, :P] - tr.states[:, :P]) / eta
+            L = self.engine.full_grads(w, clients, with_grad=False).loss
+            bufs, train_loss = tr.states[:, P:], tr.loss.mean()
         g = self.receive(g, clients, ref=w, kind="grad")
         L = self.receive(L[:, None], clients, kind="loss")[:, 0]
-        self._sync()
-        t1 = time.perf_counter()
+        return L, g, bufs, train_loss
 
-        keep, mu, gh = normalize(g, rule=self.hp.mu_rule)
-        on = idx[keep]
-        m = int(on.numel())
-        trials = 0
-        if m == 0:  # nothing to learn from: w stays, sampled clients deploy it
-            d, step = torch.zeros(P, device=self.device), 0.0
-            self.timing.update(qp=0.0, line_search=0.0, gram=0.0, qp_solve=0.0, rows=0)
-        else:
-            g_on, L_on = g[keep], L[keep]
-            # step 3: absent clients' history (stored before this round's directions)
-            ever = int(((self.last >= 0) | self._mask(idx)).sum())
-            hist_ids = torch.zeros(0, dtype=torch.long, device=self.device)
-            if ever > len(clients):
-                tau = ever // len(clients)
-                absent = ~self._mask(idx) & (self.last >= 0) & (t - self.last <= tau)
-                hist_ids = absent.nonzero().flatten()
-            H = mu * self.hist[hist_ids]
-            if hist_ids.numel():
-                self.counts[1] += 1
-            self.hist[on] = g_on / g_on.norm(dim=1, keepdim=True)
-            self.last[on] = t
-            # steps 4-6, everything past the Gram matrix K = Q Q^T in float64 on its m x m
-            gF = fairness_row(L_on, gh, mu)
-            G = torch.cat([gh, H])
-            Q = G if gF is None else torch.cat([G, gF[None]])
-            nG = G.shape[0]
-            mean_gh = gh.mean(0)
-            sigma = 1.0
-            tg = time.perf_counter()
-            K = gram(Q)
-            tq = time.perf_counter()
-            found = None if Q.shape[0] == 1 else min_norm_direction(Q, K)
-            self.timing.update(gram=tq - tg, qp_solve=time.perf_counter() - tq, rows=Q.shape[0])
-            if Q.shape[0] == 1:  # one online client, no history: d = g_1
-                d, Dj = gh[0], K[0, :nG]
-            elif found is None:
-                self.counts[0] += 1
-                if not self._warned:
-                    self._warned = True
-                    log.warning(
-                        "fedpg: the min-norm QP failed or was degenerate at round %d; "
-                        "using the mean gradient (counted in qp_fallback_rounds)",
-                        t + 1,
-                    )
-                d = mean_gh
-                Dj = (G.double() @ d.double()).cpu().numpy()
-            else:
-                d, lam = found
-                Qd = K @ lam  # Q d = Q Q^T lambda, exact in float64
-                c, sigma = rescale_factor(
-                    Qd, float(np.sqrt(max(lam @ Qd, 0.0))), float(mean_gh.norm())
+    def history_rows(self, t: int, idx: torch.Tensor, mu: float) -> torch.Tensor:
+        """Step 3: the rows mu g_j / ||g_j|| [A, P] of the absent clients seen within tau =
+        floor(M / |S_t|) rounds (none unless M > |S_t|), from the directions stored before
+        this round's; counts the round in `history_rounds` when there are any."""
+        sampled = self._mask(idx)
+        ever = int(((self.last >= 0) | sampled).sum())  # M
+        ids = torch.zeros(0, dtype=torch.long, device=self.device)
+        if ever > idx.numel():
+            tau = ever // idx.numel()
+            absent = ~sampled & (self.last >= 0) & (t - self.last <= tau)
+            ids = absent.nonzero().flatten()
+        if ids.numel():
+            self.counts[1] += 1
+        return mu * self.hist[ids]
+
+    def store_directions(self, t: int, on: torch.Tensor, g_on: torch.Tensor) -> None:
+        """Step 3's store: the online clients `on`'s g_i / ||g_i|| and this round."""
+        self.hist[on] = g_on / g_on.norm(dim=1, keepdim=True)
+        self.last[on] = t
+
+    def common_direction(
+        self, t: int, Q: torch.Tensor, K: np.ndarray, G: torch.Tensor, gh: torch.Tensor
+    ) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
+        """Step 5: (d, its float64 products with the rows, lambda). d = Q^T lambda with
+        lambda the min-norm simplex weights from K = Q Q^T, the products Q d = K lambda;
+        one row (one online client, no history): d = gh_1 = g_1; a failed QP: the mean of
+        gh_online and its products with G's rows (`qp_fallback_rounds`, one warning per run).
+        lambda is None when d is not the QP's (step 6 then leaves it)."""
+        if Q.shape[0] == 1:
+            return gh[0], K[0], None
+        with self.profiler.section("qp_solve"):
+            found = min_norm_direction(Q, K)
+        if found is None:
+            self.counts[0] += 1
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "fedpg: the min-norm QP failed or was degenerate at round %d; "
+                    "using the mean gradient (counted in qp_fallback_rounds)",
+                    t + 1,
                 )
-                d, Dj = d * c, c * Qd[:nG]  # D_j = d . gh_j
-            self._sync()
-            t2 = time.perf_counter()
-            step = eta
-            if self.line_search:
-                step, trials = self.search(t, clients, keep, L_on, g_on, d, sigma, eta, hist_ids)
-                self.counts[2] += trials
-            self.timing["line_search"] = time.perf_counter() - t2
-            # personalized directions (A.1.2)
-            r = torch.from_numpy(personal_coeffs_from(Dj, K[:nG, :nG], m)).to(self.device)
-            r = apply_gamma(r, self.hp.gamma, self.hp.gamma_mode)
-            p = personal_directions(d, gh, r)
-            self.timing["qp"] = t2 - t1
+            d = gh.mean(0)
+            return d, (G.double() @ d.double()).cpu().numpy(), None
+        d, lam = found
+        return d, K @ lam, lam  # Q d = Q Q^T lambda, exact in float64
 
-        # global update and buffers
+    def step_size(
+        self, t, clients, idx, keep, L_on, g_on, d, sigma, used_history
+    ) -> tuple[float, int]:
+        """Step 7's step and its number of loss queries: FedPG's is eta_t (none)."""
+        return self.optim.lr_at(t), 0
+
+    def personalize(
+        self, d: torch.Tensor, gh: torch.Tensor, D: np.ndarray, KG: np.ndarray
+    ) -> torch.Tensor:
+        """Appendix A.1.2: the online clients' p_i [m, P] from D_j = d.gh_j and KG = G G^T
+        (r_i, gamma's reading of it, then p_i = d + r_i (gh_i - d) at norm ||d||)."""
+        r = torch.from_numpy(personal_coeffs_from(D, KG, gh.shape[0])).to(self.device)
+        r = apply_gamma(r, self.hp.gamma, self.hp.gamma_mode)
+        return personal_directions(d, gh, r)
+
+    def update(self, clients, idx, keep, bufs, d, step: float, p) -> None:
+        """Step 7: w^{t+1} = w^t - step d (buffers: the online clients' sample-weighted
+        mean); the sampled clients deploy theta_i = w^t - step p_i, p_i = d for a dropped
+        client (for all when `p` is None: no online client, w and the buffers stay)."""
+        P, D, w = self.engine.n_params, self.engine.n_state, self.w
         new = w.clone()
         new[:P] = w[:P] - step * d
-        if D > P and m > 0:
+        if D > P and p is not None:
             new[P:] = self.weights(clients[keep.cpu().numpy()]) @ bufs[keep]
         theta = new.repeat(len(clients), 1)
-        theta[:, :P] = w[:P] - step * d  # dropped clients: p_i = d
-        if m > 0:
+        theta[:, :P] = w[:P] - step * d
+        if p is not None:
             theta[keep, :P] = w[None, :P] - step * p
         self.set_trained(idx, theta)
         self.w = new
         self.prev = self._mask(idx)
-        self.timing["grads"] = t1 - t0
-        C = len(clients)
-        # the line search queries the m online clients only: one step down, one loss up each
+
+    def round_info(self, clients, m: int, trials: int, step: float, train_loss) -> dict:
+        """The round's report; the line search queries the m online clients only: one step
+        down, one loss up each."""
+        C, P, D = len(clients), self.engine.n_params, self.engine.n_state
         up = C * (P + 1) + m * trials
         down = C * (D + P + 1) + m * trials
         return {
@@ -384,14 +484,26 @@ class FedPG(TrainedOrGlobal, Algorithm):
         m[idx] = True
         return m
 
-    def search(self, t, clients, keep, L_on, g_on, d, sigma, eta, hist_ids) -> tuple[float, int]:
-        """S-FedPG's step (Algorithm 1); each trial queries the online clients' losses."""
+
+@ALGORITHMS.register("sfedpg")
+class SFedPG(FedPG):
+    """S-FedPG: FedPG with appendix Algorithm 1's step size (step 7; see `FedPG`)."""
+
+    name = "sfedpg"
+    Params = SFedPGParams
+
+    def step_size(
+        self, t, clients, idx, keep, L_on, g_on, d, sigma, used_history
+    ) -> tuple[float, int]:
+        """Step 7's step by Algorithm 1 from eta_t, each trial querying the online clients'
+        losses at w - eta d (`line_search`); eta_ub = eta_t when S^{t-1} is not a subset of
+        S^t (`ub_rule: history`: when step 3 used history rows)."""
         on = clients[keep.cpu().numpy()]
         P = self.engine.n_params
         if self.hp.ub_rule == "subset":
-            shrink = bool((self.prev & ~self._mask(torch.as_tensor(clients))).any())
+            shrink = bool((self.prev & ~self._mask(idx)).any())
         else:
-            shrink = hist_ids.numel() > 0
+            shrink = used_history
         gd = g_on.double() @ d.double()
         dF = float(fairness_weights(L_on) @ gd) if L_on.numel() > 1 else 0.0
 
@@ -401,9 +513,9 @@ class FedPG(TrainedOrGlobal, Algorithm):
             L = self.engine.full_grads(x, on, with_grad=False).loss
             return self.receive(L[:, None], on, kind="loss")[:, 0]
 
-        return line_search(
+        step, trials = line_search(
             loss_at,
-            eta,
+            self.optim.lr_at(t),
             s=int(self.hp.s),
             sigma=sigma,
             shrink_ub=shrink,
@@ -412,14 +524,5 @@ class FedPG(TrainedOrGlobal, Algorithm):
             dF=dF,
             beta=float(self.hp.beta),
         )
-
-    # -------------------------------------------------------------- the contract
-
-
-@ALGORITHMS.register("sfedpg")
-class SFedPG(FedPG):
-    """S-FedPG: FedPG with appendix Algorithm 1's step-size line search (see `FedPG`)."""
-
-    name = "sfedpg"
-    Params = SFedPGParams
-    line_search = True
+        self.counts[2] += trials
+        return step, trials

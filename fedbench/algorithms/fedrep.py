@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedbench.algorithms._shared import state_entries
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.algorithms.params import Weighting, hp
 from fedbench.engine import TrainResult
@@ -48,8 +49,7 @@ class FedRep(Algorithm):
         spec = engine.spec
         self.head_mask = spec.mask(engine.model.head_params(), device=self.device)  # [P]
         self.body_mask = ~self.head_mask
-        self.head_entries = torch.zeros(spec.n_state, dtype=torch.bool, device=self.device)
-        self.head_entries[: spec.n_params] = self.head_mask  # [D]: the head inside a state
+        self.head_entries = state_entries(self.head_mask, spec.n_state)  # [D]: the head
         self.phi = engine.initial_state()  # [D] global representation (head entries unused)
         self.heads = self.phi[self.head_entries].repeat(self.N, 1)  # [N, H] personal heads
 

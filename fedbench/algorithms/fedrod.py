@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedbench.algorithms._shared import WithTrainer, make_engine, train_on
+from fedbench.algorithms._shared import WithTrainer, make_engine, state_entries, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.errors import ConfigError
 
@@ -87,10 +87,11 @@ class FedRoD(WithTrainer, Algorithm):
         engine.to_module(engine.initial_state(), base)
         self.trainer = make_engine(self, TwoHeadModel(base))
         spec = self.trainer.spec
-        personal = spec.mask([e.name for e in spec.params if e.name.startswith("phead.")])
+        personal = spec.mask(
+            [e.name for e in spec.params if e.name.startswith("phead.")], device=self.device
+        )
         # True on what FedAvg shares (body, generic head, buffers), False on the personal head
-        self.shared = torch.ones(spec.n_state, dtype=torch.bool, device=self.device)
-        self.shared[: spec.n_params] = ~personal.to(self.device)
+        self.shared = state_entries(~personal, spec.n_state, buffers=True)
         self.w = self.trainer.initial_state()
         self.theta = self.w.repeat(self.N, 1)
         counts = torch.stack(

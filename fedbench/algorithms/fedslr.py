@@ -1,5 +1,5 @@
 """FedSLR (Huang et al., 2023, "Fusion of Global and Local Knowledge for Personalized
-Federated Learning", Algorithms 1-3; authors' code huangtiansheng/fedslr; specs/fedslr.md).
+Federated Learning", Algorithms 1-3; authors' code huangtiansheng/fedslr; docs/papers/fedslr.md).
 
 Each personalized model is w + p_i: w = theta, the low-rank global knowledge
 representation (GKR), shared; p_i sparse and client i's own.
@@ -14,15 +14,16 @@ Server (memory-efficient, Algorithm 3: only h = (1/N) sum_i lambda_i is kept):
     z = mean_{i in S_t} x_i - h / alpha
     theta^{t+1} = prox_{tau ||.||_*}(z) per layer, tau = rank_penalty / alpha
 (`engine.prox.nuclear_prox`: Conv (o, i, kh, kw) viewed as (o·kh, i·kw); 1-D tensors not
-touched). alpha = 1 / eta_g = 0.1, rank_penalty = 1e-4. Phase I is `FedDyn` with the prox
-added: this class extends it. The per-client server form (z with every stored lambda_i)
-is in tests/test_fedslr.py, which proves the two identical.
+touched). alpha = 1 / eta_g = 0.1, rank_penalty = 1e-4. Phase I is FedDyn's client step and
+server mean (`_shared.dynamic_clients`, `_shared.dynamic_server`, which feddyn.py calls too)
+with the prox added. The per-client server form (z with every stored lambda_i) is in
+tests/test_fedslr.py, which proves the two identical.
 
 Phase II (the sparse component; Algorithm 2). Right after Phase I, each sampled client,
 `fusion_epochs` (1) epochs with w = theta^t frozen, per batch (plain SGD at the round's lr)
     p <- p - eta_t (grad_p f_i(theta^t + p) + wd_f p);  p <- sign(p) max(|p| - eta_t lambda_s, 0)
-lambda_s = sparse_penalty = 1e-3; wd_f = `fusion_weight_decay` = 1e-3 (the spec's "+ 1e-3 p",
-the authors' finetune default), whatever the run's optim.weight_decay. p_init: `copy` (the
+lambda_s = sparse_penalty = 1e-3; wd_f = `fusion_weight_decay` = 1e-3 (the authors'
+finetune default), whatever the run's optim.weight_decay. p_init: `copy` (the
 authors' code) starts the p of every Conv/Linear tensor (biases included) as a copy of the
 initial weights and the norm layers' p at zero; `zero` starts every p at zero.
 
@@ -34,9 +35,9 @@ after each client's Phase II and checkpointed, so no [N, P] mask is built); p's 
 each matrix layer's rank (`rank.<parameter>`). Communication: uplink x_i (dense), downlink
 the GKR factorized.
 Buffers: averaged (weights >= 0) in the GKR; the mixed model uses the GKR's.
-RECONSTRUCTION: the paper's equations are lost in its text; the updates above follow the
-spec, which restores them from Algorithms 1-3 and the authors' code. Momentum in Phase II
-is not used (plain SGD, as the spec's update).
+RECONSTRUCTION: the paper's equations are lost in its text; the updates above are
+restored from Algorithms 1-3 and the authors' code (docs/papers/fedslr.md). Momentum in Phase II
+is not used (plain SGD, as the update above).
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedbench.algorithms._shared import dynamic_clients, dynamic_server
 from fedbench.algorithms._steps import grad_at
-from fedbench.algorithms.base import ALGORITHMS
-from fedbench.algorithms.feddyn import FedDyn, FedDynParams
+from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.algorithms.params import nonneg, positive
 from fedbench.engine.prox import (
     LayerRank,
@@ -63,7 +64,8 @@ from fedbench.engine.prox import (
 
 
 @dataclass
-class FedSLRParams(FedDynParams):
+class FedSLRParams:
+    alpha: float = positive()
     rank_penalty: float = nonneg()
     sparse_penalty: float = nonneg()
     fusion_epochs: int = positive()
@@ -73,7 +75,7 @@ class FedSLRParams(FedDynParams):
 
 
 @ALGORITHMS.register("fedslr")
-class FedSLR(FedDyn):
+class FedSLR(Algorithm):
     name = "fedslr"
     Params = FedSLRParams
     has_personal = True
@@ -83,8 +85,12 @@ class FedSLR(FedDyn):
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
+        self.alpha = float(self.hp.alpha)
         self.tau = float(self.hp.rank_penalty) / self.alpha
         P = engine.n_params
+        self.theta = engine.initial_state()  # [D] the GKR
+        self.lam = torch.zeros(self.N, P, device=self.device)  # [N, P] the clients' lambda_i
+        self.h = torch.zeros(P, device=self.device)  # [P] (1/N) sum_i lambda_i
         p0 = torch.zeros(P, device=self.device)
         if self.hp.p_init == "copy":
             p0[self.dense_layer_mask()] = self.theta[:P][self.dense_layer_mask()]
@@ -105,7 +111,13 @@ class FedSLR(FedDyn):
         ]
         return self.engine.spec.mask(names, device=self.device)
 
-    # ------------------------------------------------------------------ Phase II
+    # ------------------------------------------------------------------ the phases' pieces
+    def server_average(self, x: torch.Tensor) -> torch.Tensor:
+        """Phase I's server before the prox (Algorithm 3): h from the uploads x [C, D], and
+        z = mean x_i - h / alpha. (tests/test_fedslr.py swaps in the per-client form.)"""
+        self.h, z = dynamic_server(x, self.theta, self.h, self.alpha, self.N)
+        return z
+
     def fusion(self, i: int, base: torch.Tensor, t: int) -> torch.Tensor:
         """Client i's p by proximal SGD on f_i(base + p), base frozen; the mean loss."""
         eng, P = self.engine, self.engine.n_params
@@ -130,10 +142,17 @@ class FedSLR(FedDyn):
 
     # ------------------------------------------------------------------ the contract
     def round(self, t: int, clients: np.ndarray) -> dict:
+        idx = torch.as_tensor(clients, device=self.device)
         sent = self.theta.clone()  # theta^t, the model the clients received
         gkr_sent = factorized_params(self.engine.spec, self.ranks)
-        x, res = self.local_phase(t, clients)  # Phase I
-        fusion_loss = torch.stack([self.fusion(int(i), sent, t) for i in clients])  # Phase II
+        # Phase I, clients: the local problem from theta^t, then lambda_i (client side)
+        res, self.lam[idx] = dynamic_clients(
+            self, self.theta, self.lam[idx], clients, t, self.alpha
+        )
+        x = self.receive(res.states, clients, ref=self.theta)  # the uploads x_i
+        # Phase II: each client's sparse p_i on its f_i(theta^t + p), theta^t frozen
+        fusion_loss = torch.stack([self.fusion(int(i), sent, t) for i in clients])
+        # Phase I, server: z = mean x_i - h / alpha, theta^{t+1} = prox_{tau ||.||_*}(z)
         z = self.server_average(x)
         if self.tau > 0:
             self.theta, self.ranks = nuclear_prox(
@@ -165,6 +184,9 @@ class FedSLR(FedDyn):
     def model_size(self) -> dict:
         d = self.size_diagnostics()
         return {"params_personal": d["mixed_params"], "params_global": d["gkr_params"]}
+
+    def global_state(self) -> torch.Tensor:
+        return self.theta
 
     def personal_state(self, i: int) -> torch.Tensor:
         s = self.theta.clone()

@@ -1,5 +1,5 @@
 """LG-FedAvg (Liang et al., 2020, "Think Locally, Act Globally: Federated Learning with
-Local and Global Representations", Algorithm 1; specs/fedslr.md "Baselines").
+Local and Global Representations", Algorithm 1; docs/papers/fedslr.md).
 
 Model = body (every parameter but the final classifier's, norm layers' affine parameters
 included, as the authors' code) + head (the last Linear layer, `FedModel.head`). Client i
@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedbench.algorithms._shared import state_entries
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.algorithms.fedavg import FedAvgParams
 
@@ -35,8 +36,7 @@ class LGFedAvg(Algorithm):
         super().__init__(cfg, fed, engine, model_fn)
         spec = engine.spec
         head_mask = spec.mask(engine.model.head_params(), device=self.device)  # [P]
-        self.head_entries = torch.zeros(spec.n_state, dtype=torch.bool, device=self.device)
-        self.head_entries[: spec.n_params] = head_mask  # [D]
+        self.head_entries = state_entries(head_mask, spec.n_state)  # [D]
         init = engine.initial_state()
         self.head = init[self.head_entries].clone()  # [H] the global head
         self.bodies = init.repeat(self.N, 1)  # [N, D] personal bodies (head entries unused)

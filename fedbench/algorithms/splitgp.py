@@ -1,5 +1,5 @@
 """SplitGP (Han, Kim, Choi, Brinton, Moon: "SplitGP: Achieving Both Generalization and
-Personalization in Federated Learning", INFOCOM 2023; specs/fedpg.md "Baselines").
+Personalization in Federated Learning", INFOCOM 2023, arXiv:2212.08343; docs/papers/fedpg.md).
 
 The model is split: client k holds the body phi_k (`FedModel.body`) and a small auxiliary
 classifier a_k (a copy of the head's shape); the server holds the rest, theta (the run model's
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedbench.algorithms._shared import WithTrainer, make_engine, train_on
+from fedbench.algorithms._shared import WithTrainer, make_engine, state_entries, train_on
 from fedbench.algorithms.apfl import base_columns
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.algorithms.params import fraction
@@ -78,9 +78,8 @@ class SplitGP(WithTrainer, Algorithm):
         self.trainer = make_engine(self, SplitModel(base))
         spec, dev = self.trainer.spec, self.device
         self.cols = base_columns(spec, engine.spec, "", dev)  # body, head, buffers
-        head = torch.zeros(engine.n_state, dtype=torch.bool, device=dev)
-        head[: engine.n_params] = engine.spec.mask(base.head_params(), device=dev)
-        self.head = head  # [D] True on the server part, in the base layout
+        head = engine.spec.mask(base.head_params(), device=dev)  # [P]
+        self.head = state_entries(head, engine.n_state)  # [D] the server part, base layout
         aux_names = [e.name for e in spec.params if e.name.startswith("aux.")]
         self.aux_cols = torch.cat(
             [torch.arange(spec.index[n].start, spec.index[n].stop) for n in aux_names]
