@@ -252,7 +252,7 @@ GROUPS = {"data": DATA, "split": SPLIT, "model": MODEL}
 
 # `model.layer_unit` is accepted by every model (fedbench/models/registry.py) without being in
 # a YAML; an override adds it with `+model.layer_unit=...`.
-OPTIONAL = {"model": {"layer_unit": Literal["op_norm", "module", "tensor"]}}
+OPTIONAL = {"model": {"layer_unit": Literal["op_norm", "module"]}}
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 

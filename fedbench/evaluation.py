@@ -1,4 +1,4 @@
-"""Per-client accuracy and its summaries (specs/metrics.md).
+"""Per-client accuracy and its summaries (docs/metrics.md).
 
 For every client i and each model kind (`personal`, `global`): accuracy on the client's own
 test set (L), on a mixture with other clients' test sets (S) and on a sample of the union

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduce DiversiFed's Tables I, II, III and VII (specs/paper-settings.md): one Hydra
+# Reproduce DiversiFed's Tables I, II, III and VII (docs/papers/diversifed.md): one Hydra
 # multirun per table column and method, over the seeds, then the report in the paper's
 # layout beside the paper's numbers.
 #

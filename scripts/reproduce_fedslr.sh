@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Reproduce FedSLR's Tables 1-2 (Huang et al. 2023; specs/paper-settings.md "FedSLR Tables
-# 1-2", specs/fedslr.md): one Hydra multirun per column and method, over the seeds, then
-# the report. Table 2 (model size, communication) is read from the Table 1 runs of the
-# Dir(0.1) columns: nothing is run twice. The script only sweeps (column x method x seed):
-# each method's FedSLR settings come with the preset (`paper: fedslr`,
-# conf/paper_algo/fedslr/<algo>.yaml), so one cell is
+# Reproduce FedSLR's Tables 1-2 (Huang et al. 2023, arXiv:2302.11051; docs/papers/fedslr.md):
+# one Hydra multirun per column and method, over the seeds, then the report. Table 2 (model
+# size, communication) is read from the Table 1 runs of the Dir(0.1) columns: nothing is run
+# twice. The script only sweeps (column x method x seed): each method's FedSLR settings come
+# with the preset (`paper: fedslr`, conf/paper_algo/fedslr/<algo>.yaml), so one cell is
 #   fedbench +experiment=fedslr_t1_cifar10_dir algo=ditto seed=0
 #
 #   scripts/reproduce_fedslr.sh                         # Table 1 (all six columns) and Table 2

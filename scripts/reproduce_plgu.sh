@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Reproduce PLGU's Tables 1-4 and Fig. 5 (Qu et al., CVPR 2023; specs/paper-settings.md
-# "PLGU"): one Hydra multirun per table column and method, over the seeds, then the report.
+# Reproduce PLGU's Tables 1-4 and Fig. 5 (Qu et al., CVPR 2023; docs/papers/plgu.md): one
+# Hydra multirun per table column and method, over the seeds, then the report.
 #
 #   scripts/reproduce_plgu.sh                       # every table
 #   scripts/reproduce_plgu.sh t1                    # Table 1, its five columns

@@ -1,5 +1,5 @@
 """Malicious clients (fedbench/attack.py): A1/A2 change exactly the malicious rows as the
-FedPG appendix (B.3) and specs/fedpg.md say; the runner builds the attack, refuses algorithms
+FedPG appendix (B.3) and docs/papers/fedpg.md say; the runner builds the attack, refuses algorithms
 it cannot reach, scores honest clients only and records how many were malicious."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The PLGU family and its baselines (specs/plgu.md): FedSAM, PLGU-LF, FedRep, PLGU-GRep,
+"""The PLGU family and its baselines (docs/papers/plgu.md): FedSAM, PLGU-LF, FedRep, PLGU-GRep,
 Ditto, pFedMe (pFedHN / PLGU-GHN: test_pfedhn.py). Hand-computed steps on a tiny
 federation, the FedSAM limit of PLGU-LF, learning on real FMNIST, the paper presets and the
 headline command on a fake CIFAR-10."""

@@ -1,5 +1,5 @@
 """APFL (Deng, Kamani, Mahdavi: "Adaptive Personalized Federated Learning", 2020, Algorithm 1;
-specs/fedpg.md "Baselines").
+docs/papers/fedpg.md).
 
 Each client keeps a personal model v_i and a mixing weight alpha_i; its personalized model is
 theta_i = alpha_i v_i + (1 - alpha_i) w_i. Per local step on a batch (all at the same point):

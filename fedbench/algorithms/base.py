@@ -1,4 +1,4 @@
-"""The algorithm contract (DESIGN.md): a small class per algorithm, state as tensors."""
+"""The algorithm contract (docs/design.md): a small class per algorithm, state as tensors."""
 
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ class Algorithm:
 
 class TrainedOrGlobal:
     """Mixin for a global state `w` [D] plus, per client, the state it ended its last visit
-    with (`theta` [N, D]): the personalized model of FedAvg-like methods (specs/metrics.md);
+    with (`theta` [N, D]): the personalized model of FedAvg-like methods (docs/metrics.md);
     a client never sampled deploys w. Call `init_rows()` once `w` is set."""
 
     has_global: ClassVar[bool] = True

@@ -1,6 +1,6 @@
 """DiversiFed (Wu, Liu, Niu, Zhu, Tang, Li, Cao: "The Diversity Bonus: Learning from
 Dissimilar Distributed Clients in Personalized Federated Learning", 2024). Equation numbers
-are the paper's; the spec is specs/diversifed.md.
+are the paper's (arXiv:2407.15464); the updates as implemented: docs/papers/diversifed.md.
 
 Client i's objective (eq. 3) is CE_i(w_i) + lambda L_d(w_i) with the model distance loss
 (eq. 4), over a(i) = the N - 1 other clients and d_j = ||w_i - w_j||_2 / tau (all
@@ -25,7 +25,7 @@ only: L_d is a function of the parameters, its gradient in a running statistic i
 mixing them with the signed coefficients of eq. 9 could make a running variance negative.
 Uploads: the trained w_i, through `Algorithm.receive` (ref = the state it trained from).
 
-RECONSTRUCTION (specs/diversifed.md; no public code exists):
+RECONSTRUCTION (docs/papers/diversifed.md; no public code exists):
 - a sampled client starts its local training from z_i (Algorithm 1 only names the
   objective); `algo.start: own` starts it from its own w_i instead, as FedAMP's code does
   with the same proximal objective (on FMNIST Dir 0.1 / pat-2, seed 0, the best accuracy

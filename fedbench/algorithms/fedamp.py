@@ -14,7 +14,7 @@ Defaults alpha_k = 1, lambda = 1, sigma = 1 (PFLlib's, which the DiversiFed pape
 PFLlib's client adds lambda / (2 alpha_k) ||w - u_i|| on detached `.data` tensors: not
 squared, and with no gradient at all, so its FedAMP is local training. Not copied: the term
 here is the paper's. `detach_prox: true` reproduces the detached variant (pure local
-training), which is what the FedPG authors' Table 1 row shows (specs/fedpg.md).
+training), which is what the FedPG authors' Table 1 row shows (docs/papers/fedpg.md).
 
 Buffers: kept local. u_i is a combination of parameters (the paper's eq. 5 and PFLlib mix
 `parameters()`), and the client trains its own w_i, running statistics included; u_i only

@@ -3,9 +3,9 @@
 FedAvg (McMahan et al., AISTATS 2017, Algorithm 1): w^{t+1} = sum_k (n_k / n) w_k^{t+1},
 w_k^{t+1} = E epochs of local SGD from w^t on client k's data.
 FedProx (Li et al., MLSys 2020, eq. 2): the local objective is
-F_k(w) + (mu / 2) ||w - w^t||^2; mu = 0.01 (specs/fedpg.md: from the FedProx paper's grid).
+F_k(w) + (mu / 2) ||w - w^t||^2; mu = 0.01 (docs/papers/fedpg.md: from the FedProx paper's grid).
 
-Personalized model (specs/metrics.md): a client's model after its last local training from
+Personalized model (docs/metrics.md): a client's model after its last local training from
 w, as FedPG's appendix and FedRoD do; a client not yet sampled deploys w.
 Uploads: each client's trained state (kind "model", ref = the w it trained from).
 Buffers: averaged (weights n_k / n or 1/C, >= 0) with the parameters into w; a personal

@@ -1,5 +1,5 @@
 """FedMGDA+ (Hu, Shaloudegi, Zhang, Yu: "Federated Learning Meets Multi-objective
-Optimization", IEEE TNSE 2022, Algorithm 2; specs/fedpg.md "Baselines").
+Optimization", IEEE TNSE 2022, Algorithm 2; docs/papers/fedpg.md).
 
 Round t: each sampled client i trains E local epochs from w^t to w_i and uploads it; the
 server normalizes the updates, gh_i = (w^t - w_i) / ||w^t - w_i|| (gradient normalization),

@@ -1,5 +1,5 @@
 """FedSpa (Huang et al., 2022, "Achieving Personalized Federated Learning with Sparse Local
-Models"; specs/fedslr.md "Baselines": lowest priority, FedSLR's Table 1-2 comparison).
+Models", arXiv:2201.11380; docs/papers/fedslr.md: FedSLR's Table 1-2 comparison).
 
 Each client i holds a binary mask m_i at a fixed `density` per layer (random at start,
 drawn from the run's seed). Round t, each sampled client: downloads m_i ⊙ w^t (a sparse
@@ -16,9 +16,10 @@ Personalized model of client i: m_i ⊙ w (the current global model under its ma
 Sizes: a client deploys and each transfer carries the mask's nonzeros (FedSLR Table 2: half
 of FedAvg's parameters and communication at density 0.5; the mask's index cost is not counted).
 Buffers: averaged (weights >= 0).
-RECONSTRUCTION: the spec gives only "personalized sparse masks, dynamic sparse training
-at 50% density, masked models averaged"; the masked (per-entry) average, the RigL grow
-criterion, the cosine prune schedule and `dense_1d` (1-D tensors dense and shared) are ours.
+RECONSTRUCTION: implemented from a short description only ("personalized sparse masks,
+dynamic sparse training at 50% density, masked models averaged"); the masked (per-entry)
+average, the RigL grow criterion, the cosine prune schedule and `dense_1d` (1-D tensors dense
+and shared) are ours.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """pFedHN (Shamsian et al., ICML 2021, "Personalized Federated Learning using
-Hypernetworks", Algorithm 1; authors' code AvivSham/pFedHN; specs/plgu.md).
+Hypernetworks", Algorithm 1; authors' code AvivSham/pFedHN; docs/papers/plgu.md).
 
 A hypernetwork h(v_i; phi) (`fedbench.models.hypernet`) generates client i's target weights.
 A visit of client i: theta_i = h(v_i; phi); `inner_steps` SGD steps (lr 5e-3, momentum 0.9,
@@ -12,7 +12,7 @@ are hypernetwork parameters, decayed and carried by momentum like the rest, as
 the round's clients one after another (the authors' code, which draws one client per step),
 `mean` averages their g into one step.
 
-`hypernet.generate` (specs/plgu.md): `all` target tensors (default); `body` (pFedHN-PC: each
+`hypernet.generate` (docs/papers/plgu.md): `all` target tensors (default); `body` (pFedHN-PC: each
 client's head is personal, trained in the inner steps, never averaged; the authors' inner lr
 there is 5e-2, the default when `inner_lr` is null); `last_k`. Tensors neither generated
 nor personal (and float buffers) are shared: trained in the inner steps from the global

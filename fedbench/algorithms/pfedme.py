@@ -1,5 +1,5 @@
 """pFedMe (Dinh et al., NeurIPS 2020, "Personalized Federated Learning with Moreau
-Envelopes", Algorithm 1; authors' code CharlieDinh/pFedMe; specs/plgu.md).
+Envelopes", Algorithm 1; authors' code CharlieDinh/pFedMe; docs/papers/plgu.md).
 
 Client i in round t: w_i <- w^t. For each of `local_rounds` R mini-batches b: theta,
 warm-started from its value at the previous batch (w_i at the first), takes K (`inner_steps`)

@@ -1,12 +1,12 @@
 """FedSAM (Qu et al., ICML 2022 "Generalized Federated Learning via Sharpness Aware
-Minimization"; the PLGU paper's baseline, specs/plgu.md): FedAvg whose local optimizer is
+Minimization"; the PLGU paper's baseline, docs/papers/plgu.md): FedAvg whose local optimizer is
 SAM (Foret et al., ICLR 2021, p = 2).
 
 Each local step on batch b: g = grad F_b(w); eps = rho g / ||g||_2;
 w <- w - eta grad F_b(w + eps) (the second gradient, taken at the perturbed point, applied
 to the unperturbed w). Server: FedAvg of the clients' models. rho = 0.05.
 
-Reports the global model w and, as FedAvg does (specs/metrics.md), each client's model after
+Reports the global model w and, as FedAvg does (docs/metrics.md), each client's model after
 its last local training as its personal model. Nothing here is a reconstruction.
 Uploads and buffers as FedAvg. Buffers: averaged (weights >= 0) with the parameters; both
 SAM forwards of a step (at w and at w + eps) update them, as `Engine.train` does.

@@ -1,5 +1,5 @@
 """SCAFFOLD (Karimireddy et al., ICML 2020, "SCAFFOLD: Stochastic Controlled Averaging for
-Federated Learning", Algorithm 1, option II; specs/fedslr.md "Baselines").
+Federated Learning", Algorithm 1, option II; docs/papers/fedslr.md).
 
 Server state x and control variate c; client i's control variate c_i (zeros at start).
 Round t, each sampled client from y = x, K steps (E epochs) of the run's optimizer with

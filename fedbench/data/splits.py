@@ -1,4 +1,4 @@
-"""Client splits, per-client test sets and FedPG's S / G evaluation sets (spec: data.md).
+"""Client splits, per-client test sets and FedPG's S / G evaluation sets (docs/data.md).
 
 A split is a pure function ``(labels, num_clients, rng, **params) -> list[index array]``
 registered in ``SPLITS`` (``iid``, ``pat``, ``dir``, ``practical``); it returns one sorted
@@ -6,7 +6,7 @@ int64 index array per client and never hands a sample to two clients. ``make_par
 applies a split to a dataset's official train/test labels and builds each client's test
 set (``test_mode``: ``matched`` or ``pooled``); its indices point into the POOL, the
 concatenation ``[train split; test split]``. ``eval_sets`` draws the S and G sets of
-FedPG's L / S / G accuracy (metrics.md). Everything random comes from the seed.
+FedPG's L / S / G accuracy (docs/metrics.md). Everything random comes from the seed.
 """
 
 from __future__ import annotations
@@ -413,7 +413,7 @@ def practical(
 
     Each client gets train_per_client samples, round(dominant_frac * that) from its group's
     dominant classes and the rest from the other classes, the class of each sample uniform
-    within its part (RECONSTRUCTION, data.md). Without train_per_client a client gets the
+    within its part (RECONSTRUCTION, docs/data.md). Without train_per_client a client gets the
     largest count that every group's dominant classes can supply, at most N // clients.
     """
     y = _labels(labels)
@@ -677,7 +677,7 @@ class EvalSets(NamedTuple):
 
 
 def eval_sets(partition: Partition, seed: int, s_frac: float = 0.5) -> EvalSets:
-    """Draw S_i and G_i for every client once (metrics.md, "L / S / G accuracy").
+    """Draw S_i and G_i for every client once (docs/metrics.md, "L / S / G accuracy").
 
     G_i: a random sample, of the size of client i's test set, from the union of all test
     sets. S_i: client i's test set together with those of ceil(s_frac * (N - 1)) other
