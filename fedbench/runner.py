@@ -41,6 +41,7 @@ from fedbench.errors import ConfigError, FedbenchError
 from fedbench.evaluation import SETS, evaluate, summaries
 from fedbench.io import CsvAppender, atomic_write, atomic_write_json, atomic_write_text
 from fedbench.models import build_model
+from fedbench.report.partition import partition_counts
 from fedbench.rundir import RunDir, holds_run
 from fedbench.tracking import Sinks
 
@@ -382,8 +383,13 @@ class Run:
 
     def _run(self, sinks: Sinks) -> dict:
         cfg = self.cfg
+        # class counts per client ride along, so the report draws the split without the data
+        counts = partition_counts(
+            self.labels_pool, self.partition.train, self.partition.test, self.num_classes
+        )
         atomic_write_json(
-            self.out / "partition.json", {**self.partition.to_json(), "eval_sets": self.eval_sets}
+            self.out / "partition.json",
+            {**self.partition.to_json(), **counts, "eval_sets": self.eval_sets},
         )
         log.info(
             "%s on %s (%s split, %d clients, %d per round), model %s: %d parameters; device %s",

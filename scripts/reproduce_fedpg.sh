@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Reproduce the FedPG appendix's Tables 1-3 (specs/paper-settings.md "FedPG appendix Tables
-# 1-3"): for every column and method, one Hydra multirun per learning rate of the paper's grid
-# {0.01, 0.05, 0.1} over the seeds; the best lr per method and column (highest mean over seeds
-# of the personalized model's (L + S + G) / 3 at the last evaluation) is listed in
-# $OUT/best_<table>.txt, and the report prints those sweeps in the paper's layout beside the
-# paper's numbers.
+# Reproduce the FedPG appendix's Tables 1-3 (docs/papers/fedpg.md,
+# "The paper's tables and our presets"): for every column and method, one Hydra multirun per
+# learning rate of the paper's grid {0.01, 0.05, 0.1} over the seeds; then the report prints
+# each table in the paper's layout beside the paper's numbers, every cell from the best lr of
+# its method and column (`fedbench-report --best-of optim.lr`: the highest mean over seeds of
+# the personalized model's (L + S + G) / 3 at the last evaluation, `--best-by personal.LSG`),
+# the lr it chose in the cell and every lr's score under the table.
 #
 #   scripts/reproduce_fedpg.sh                        # every table
 #   scripts/reproduce_fedpg.sh table1_fmnist          # one column (a preset without "fedpg_")
@@ -68,45 +69,20 @@ for preset in "${presets[@]}"; do
   done
 done
 
-# the best lr per (column, method): its sweep directory, one a line
-pick() {
-  python - "$ROOT/$OUT" "$@" <<'PY'
-import json, statistics, sys
-from pathlib import Path
-
-out = Path(sys.argv[1])
-for preset in sys.argv[2:]:
-    col = out / preset
-    if not col.is_dir():
-        continue
-    for method in sorted(p for p in col.iterdir() if p.is_dir()):
-        scores = {}
-        for lr_dir in sorted(method.glob("lr*")):
-            vals = []
-            for s in lr_dir.rglob("summary.json"):
-                p = (json.loads(s.read_text()).get("final") or {}).get("personal") or {}
-                if p:
-                    vals.append(sum(p[k]["avg"] for k in ("L", "S", "G")) / 3)
-            if vals:
-                scores[lr_dir] = statistics.mean(vals)
-        if not scores:
-            continue
-        best = max(scores, key=scores.get)
-        print(best)
-        print(f"# {preset} {method.name}: best {best.name} "
-              + " ".join(f"{d.name}={v:.3f}" for d, v in scores.items()), file=sys.stderr)
-PY
-}
-
+# one report per table over its columns' sweeps: the best lr per method and column
 tables=$(printf '%s\n' "${presets[@]}" | sed 's/_.*//' | sort -u)
+base="$OUT"
+[[ $OUT == /* ]] || base="$ROOT/$OUT"
 for t in $tables; do
-  cols=()
-  for p in "${presets[@]}"; do [[ $p == "$t"_* ]] && cols+=("$p"); done
-  if [[ -n "${DRY_RUN:-}" ]]; then
-    echo "+ fedbench-report <the best lr sweep of each method in ${cols[*]}> --preset fedpg_$t"
-    continue
-  fi
-  pick "${cols[@]}" > "$ROOT/$OUT/best_$t.txt"
-  mapfile -t best < "$ROOT/$OUT/best_$t.txt"
-  run fedbench-report "${best[@]}" --preset "fedpg_$t"
+  dirs=()
+  for p in "${presets[@]}"; do
+    [[ $p == "$t"_* ]] || continue
+    if [[ -n "${DRY_RUN:-}" || -d "$base/$p" ]]; then
+      dirs+=("$OUT/$p")
+    else
+      echo "# no runs in $OUT/$p: left out of fedpg_$t" >&2
+    fi
+  done
+  (( ${#dirs[@]} )) || continue
+  run fedbench-report "${dirs[@]}" --preset "fedpg_$t" --best-of optim.lr --best-by personal.LSG
 done

@@ -560,20 +560,26 @@ def test_paper_numbers_are_the_accuracies():
     assert ("FedAvg", "FMNIST Dir(1.0)", "avg") in numbers
 
 
-# The curated tables beside the repository (in a user's clone: absent).
-SHARED_TABLES = Path(__file__).resolve().parents[2] / "shared" / "papers" / "tables"
+# The packaged tables' manifest: docs/paper-tables.md, "Files" (CSV | rows | caption).
+MANIFEST = Path(__file__).resolve().parents[1] / "docs" / "paper-tables.md"
 
 
 @pytest.mark.quick
-def test_packaged_paper_tables_are_complete_copies_of_shared():
+def test_packaged_paper_tables_match_the_documented_manifest():
+    """Every preset's table ships, and the packaged CSVs are exactly the files the
+    documentation lists, each with the number of rows it states (one per printed number)."""
     needed = {p.csv for p in presets.PRESETS.values()}
-    assert needed <= {p.name for p in presets.PACKAGED.glob("*.csv")}
-    if not SHARED_TABLES.is_dir():
-        pytest.skip("shared/papers/tables not beside the repository")
-    shared = sorted(SHARED_TABLES.glob("*.csv"))
-    assert {p.name for p in shared} == {p.name for p in presets.PACKAGED.glob("*.csv")}
-    for path in shared:
-        assert path.read_bytes() == (presets.PACKAGED / path.name).read_bytes(), path.name
+    shipped = {p.name: p for p in presets.PACKAGED.glob("*.csv")}
+    assert needed <= set(shipped)
+    listed = {}
+    for line in MANIFEST.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].endswith(".csv") and cells[1].isdigit():
+            listed[cells[0]] = int(cells[1])
+    assert set(listed) == set(shipped)
+    for name, rows in listed.items():
+        with open(shipped[name], newline="", encoding="utf-8") as f:
+            assert sum(1 for _ in csv.DictReader(f)) == rows, name
 
 
 @pytest.mark.quick

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedbench.algorithms._shared import state_entries
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.algorithms.params import Weighting, hp
 from fedbench.errors import ConfigError
@@ -52,8 +53,7 @@ class FedPer(Algorithm):
             )
         names = [p for layer in layers[-k:] for p in layer.params]
         mask = engine.spec.mask(names, device=self.device)  # [P]
-        self.personal_entries = torch.zeros(engine.n_state, dtype=torch.bool, device=self.device)
-        self.personal_entries[: engine.n_params] = mask  # [D]: buffers stay with the base
+        self.personal_entries = state_entries(mask, engine.n_state)  # [D]: buffers shared
         self.base = engine.initial_state()  # [D] (personal entries unused)
         self.personal = self.base[self.personal_entries].repeat(self.N, 1)  # [N, K]
 

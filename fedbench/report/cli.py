@@ -14,11 +14,13 @@ from pathlib import Path
 
 from fedbench.report import presets
 from fedbench.report.collect import (
+    ALIASES,
     METRIC_HELP,
     ReportError,
     RunDir,
     check_metric,
     find_runs,
+    follows,
     format_value,
     hashable,
     parse_value,
@@ -27,6 +29,7 @@ from fedbench.report.collect import (
     varying_keys,
     write_output,
 )
+from fedbench.report.compare import DEFAULT_BEST_BY, BestOf, compare_to
 from fedbench.report.table import (
     EXTENSION,
     FORMATS,
@@ -50,12 +53,16 @@ examples:
   fedbench-report sweep/ --filter split.alpha=0.1 --cols participation --plots figs/
   fedbench-report sweep/ --preset diversifed_table1 --compact
   fedbench-report sweep/ --keys            # which config keys vary (to pick rows/cols)
+  fedbench-report lr_sweep/ --best-of optim.lr --reference fedavg
+  fedbench-report multirun/fedpg/table1_* --preset fedpg_table1 --best-of optim.lr
 
 Cells are the mean ± sample std over the runs (seeds) that share the row and column
 values; '—' marks a cell without runs, 'failed' one whose runs all stopped before
 writing summary.json (or have files that cannot be read: a warning line names them), 'n/a'
-a metric the runs do not have (e.g. a global model). Bad input is one line on stderr and
-exit code 2.
+a metric the runs do not have (e.g. a global model). With --best-of KEY a cell holds only
+the runs of its best KEY value (noted in the cell: lr=0.05); with --reference ROW a cell
+ends with its difference from ROW paired by seed and the 95% interval (+1.20 [0.40,
+2.00], * when the interval excludes 0). Bad input is one line on stderr and exit code 2.
 """
 
 
@@ -141,10 +148,32 @@ def parser() -> argparse.ArgumentParser:
         "comma-separated list of allowed values)",
     )
     p.add_argument(
+        "--best-of",
+        metavar="KEY",
+        help="a grid key (e.g. optim.lr): in every cell only the runs of the KEY value with "
+        "the best mean over seeds of --best-by, noted in the cell (the papers' 'best lr of "
+        "a grid per method'); works with --preset",
+    )
+    p.add_argument(
+        "--best-by",
+        metavar="METRIC",
+        help=f"what --best-of maximizes (minimizes for losses, times, sizes), at the round "
+        f"--select picks (default: {DEFAULT_BEST_BY}, FedPG's (L + S + G) / 3 of the "
+        f"personalized model); any metric --metric accepts",
+    )
+    p.add_argument(
+        "--reference",
+        metavar="ROW",
+        help="a row (e.g. fedavg; with --preset the paper's name, e.g. FedAvg): every other "
+        "cell shows its difference from that row's cell, paired by seed, with the 95%% "
+        "interval (paired t-test; a paired bootstrap without scipy) and * when significant",
+    )
+    p.add_argument(
         "--plots",
         metavar="DIR",
         help="also write the table and PNG figures (accuracy over rounds, per-client "
-        "distribution, L/S/G bars) into DIR",
+        "distribution, L/S/G bars, and each distinct split's label distribution "
+        "partition_<run>.png) into DIR",
     )
     p.add_argument(
         "--digits",
@@ -193,9 +222,42 @@ def list_keys(runs: list[RunDir]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def best_of(args: argparse.Namespace, runs: list[RunDir]) -> BestOf | None:
+    if args.best_by and not args.best_of:
+        raise ReportError("--best-by goes with --best-of KEY")
+    if not args.best_of:
+        return None
+    check_keys([args.best_of], runs)
+    by = args.best_by or DEFAULT_BEST_BY
+    check_metric(by, runs)
+    for flag, keys in (("--rows", args.rows), ("--cols", args.cols)):
+        if args.best_of in (keys or []):
+            raise ReportError(f"--best-of {args.best_of} is chosen per cell; drop it from {flag}")
+    return BestOf(args.best_of, by)
+
+
+def auto_cols(runs: list[RunDir], rows: list[str], exclude: list[str]) -> tuple[list, list]:
+    """The columns when --cols is not given: the keys that differ between the runs, other
+    than the rows', `exclude` and those whose value follows from the rows' and the columns'
+    before them (they would split no cell: algo.weighting between algorithms whose YAMLs
+    set it differently). Returns (columns, [(left-out key, what it follows)])."""
+    cols: list[str] = []
+    left_out = []
+    long_rows = {ALIASES.get(k, k) for k in rows}
+    for k in varying_keys(runs):
+        if k in rows or k in long_rows or k in exclude:
+            continue
+        if follows(k, rows + cols, runs):
+            left_out.append((k, rows + cols))
+        else:
+            cols.append(k)
+    return cols, left_out
+
+
 def make_table(args: argparse.Namespace, runs: list[RunDir]) -> Table:
     scale = 1.0 if args.fraction else 100.0
     digits = args.digits if args.digits is not None else (3 if args.fraction else 2)
+    best = best_of(args, runs)
     if args.preset:
         if args.rows or args.cols is not None or args.metric:
             raise ReportError(
@@ -203,18 +265,31 @@ def make_table(args: argparse.Namespace, runs: list[RunDir]) -> Table:
             )
         if args.fraction:
             raise ReportError("--preset prints accuracies as its paper does (percent)")
-        table, _ = presets.get(args.preset).build(runs, args.select, compact=args.compact)
-        table.digits = digits
-        return table
-    if args.compact:
-        raise ReportError("--compact goes with --preset")
-    metrics = [m for group in (args.metric or [[DEFAULT_METRIC]]) for m in group]
-    for m in metrics:
-        check_metric(m, runs)
-    rows = args.rows or ["algo"]
-    check_keys(rows, runs)
-    cols = args.cols if args.cols is not None else [k for k in varying_keys(runs) if k not in rows]
-    return build(runs, rows, cols, metrics, args.select or "final", scale, digits)
+        table, _ = presets.get(args.preset).build(
+            runs, args.select, compact=args.compact, best_of=best, digits=digits
+        )
+    else:
+        if args.compact:
+            raise ReportError("--compact goes with --preset")
+        metrics = [m for group in (args.metric or [[DEFAULT_METRIC]]) for m in group]
+        for m in metrics:
+            check_metric(m, runs)
+        rows = args.rows or ["algo"]
+        check_keys(rows, runs)
+        left_out = []
+        if args.cols is not None:
+            cols = args.cols
+        else:
+            cols, left_out = auto_cols(runs, rows, [best.key] if best else [])
+        table = build(runs, rows, cols, metrics, args.select or "final", scale, digits, best)
+        if left_out:
+            table.notes.append(
+                "not columns (each follows from the keys named): "
+                + "; ".join(f"{k} ({', '.join(by)})" for k, by in left_out)
+            )
+    if args.reference:
+        compare_to(table, args.reference)
+    return table
 
 
 def check_output_dir(text: str) -> Path:
@@ -279,6 +354,10 @@ def _internal_error(e: BaseException) -> str:
 def _say(line: str) -> None:
     with contextlib.suppress(OSError, ValueError):
         print(line, file=sys.stderr)
+
+
+def _warn(message: str) -> None:
+    _say(f"fedbench-report: warning: {message}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,7 +425,7 @@ def _main(argv: list[str] | None) -> int:
         except OSError as e:
             raise ReportError(f"--plots {out}: cannot create it ({e.strerror or e})") from None
         write_output(out / f"table.{EXTENSION[args.format]}", text.encode())
-        for path in write_plots(table, out):
+        for path in write_plots(table, out, warn=_warn):
             _say(f"wrote {path}")
     return 0
 

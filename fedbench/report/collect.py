@@ -269,7 +269,7 @@ def _natural_key(name: str) -> tuple:
 
 
 # --------------------------------------------------------------------------- metrics
-# The names metrics.csv uses (specs/metrics.md; fedbench.evaluation, not imported: it needs torch)
+# The names metrics.csv uses (docs/metrics.md; fedbench.evaluation, not imported: it needs torch)
 # head / trained: per-client predictors reported beside the personalized one (FedProto's
 # classifier head; FedCAC's model after local training, before the server's mix)
 KINDS = ("personal", "global", "head", "trained")
@@ -278,10 +278,14 @@ STATS = ("avg", "weighted", "std", "top5", "bottom5", "min", "max")
 RUN_METRICS = ("train_loss", "bytes_up", "bytes_down", "wall_time_s")
 _ACCURACY = re.compile(
     rf"^({'|'.join(KINDS)})\.({'|'.join(SETS)})\.({'|'.join(STATS)})$|^global\.all$"
+    rf"|^({'|'.join(KINDS)})\.LSG$"
 )
+# KIND.LSG: (L.avg + S.avg + G.avg) / 3 of one model kind, FedPG's criterion for its best lr
+_LSG = re.compile(rf"^({'|'.join(KINDS)})\.LSG$")
 METRIC_HELP = (
     f"KIND.SET.STAT with KIND {'|'.join(KINDS)}, SET {'|'.join(SETS)}, STAT {'|'.join(STATS)}; "
-    f"global.all; {', '.join(RUN_METRICS)}; or any other column of metrics.csv"
+    f"KIND.LSG = (L.avg + S.avg + G.avg) / 3; global.all; {', '.join(RUN_METRICS)}; or any "
+    f"other column of metrics.csv"
 )
 
 
@@ -315,9 +319,15 @@ def selected(run: RunDir, metric: str, select: str) -> tuple[int | None, float |
     global.L.avg: the best round of the model the cell shows, as the papers report it).
     Values come from metrics.csv, summary.json when it is missing. (None, None) for a
     failed run; value None when the run has no such metric (e.g. `local` has no global
-    model)."""
+    model). `KIND.LSG` is the mean of KIND.L.avg, KIND.S.avg and KIND.G.avg at that round."""
     if run.failed:
         return None, None
+    if _LSG.match(metric):
+        kind = metric.split(".", 1)[0]
+        parts = [selected(run, f"{kind}.{s}.avg", select) for s in SETS]
+        if any(v is None for _, v in parts):
+            return parts[0][0], None
+        return parts[0][0], sum(v for _, v in parts) / len(parts)
     kind = metric.split(".", 1)[0]
     m = run.metrics
     if m is not None and not m.empty and "round" in m:
@@ -425,3 +435,19 @@ def varying_keys(runs: list[RunDir]) -> list[str]:
     if "participation" in out and "per_round" in out:
         out.remove("per_round")
     return out
+
+
+def follows(key: str, by: list[str], runs: list[RunDir]) -> bool:
+    """Whether `key`'s value is a function of the values of `by` over `runs`: every group
+    of runs sharing their `by` values has one value of `key` (a key that differs between
+    runs only because another one does, e.g. `algo.weighting` between algorithms whose
+    YAMLs set it differently). False without `by`."""
+    if not by:
+        return False
+    seen: dict[tuple, Any] = {}
+    for r in runs:
+        group = tuple(hashable(r.get(k)) for k in by)
+        value = hashable(r.get(key))
+        if seen.setdefault(group, value) != value:
+            return False
+    return True

@@ -1,11 +1,15 @@
 """Figures of the runs behind a table, one panel per table column, one color per row:
 
 - `curves.png`: the table's (first) metric against the round, mean over seeds with a
-  band of ± one std (metrics.csv);
+  band of ± one std (metrics.csv); markers at the evaluations when there are few, whole
+  rounds on the axis (a run evaluated once is a point with its std as an error bar);
 - `clients.png`: the distribution of per-client accuracy at the selected round, every
   seed's clients pooled: a violin with one dot per client (clients.csv);
-- `lsg.png`: L, S and G accuracy of each row side by side, mean over seeds with std
-  error bars (the FedPG view: own test set, a mixture, the union of all).
+- `lsg.png`: L, S and G accuracy of each row's personalized and global models side by
+  side (each where the runs have it), mean over seeds with std error bars (the FedPG
+  view: own test set, a mixture, the union of all);
+- `partition_<run>.png`: the label distribution of each distinct split among the runs
+  (`fedbench.report.partition`).
 
 Figures are made with matplotlib's object API (`Figure`, rendered by Agg): no pyplot, no
 global backend state, nothing shown on screen.
@@ -15,22 +19,28 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from fedbench.report.collect import SETS, ReportError, RunDir, is_accuracy, selected, write_output
+from fedbench.report.partition import write_partition_plots
 from fedbench.report.table import Table
 
 DPI = 120
+MARKERS_UP_TO = 30  # evaluations per curve drawn with markers
 
 
-def write_plots(table: Table, out_dir: str | Path) -> list[Path]:
+def write_plots(
+    table: Table, out_dir: str | Path, warn: Callable[[str], None] | None = None
+) -> list[Path]:
     """Write the figures that the table's metric and runs allow; return their paths. Each
     file is written whole or not at all; a folder or file that cannot be written is a
-    ReportError (one line)."""
+    ReportError (one line); a partition that cannot be read is a `warn` line."""
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -45,6 +55,7 @@ def write_plots(table: Table, out_dir: str | Path) -> list[Path]:
             fig.savefig(png, format="png", dpi=DPI, bbox_inches="tight")
             write_output(path, png.getvalue())
             written.append(path)
+    written += write_partition_plots(table.runs(), out, warn)
     return written
 
 
@@ -135,9 +146,11 @@ def _curves(table: Table) -> Figure | None:
     if not panels:
         return None
     what = ", ".join(sorted({m for i in range(len(table.rows)) if (m := _metric(table, i))}))
-    fig, axes = _figure(panels, f"{what} over rounds (mean, band ± std over seeds)")
+    fig, axes = _figure(panels, f"{what} over rounds (mean over seeds; band or bar: ± std)")
+    dodge = 0.5 / max(len(table.rows), 1)  # one-evaluation points side by side
     drawn = False
     for ax, j in zip(axes, panels):
+        rounds: set[int] = set()
         for i in range(len(table.rows)):
             metric = _metric(table, i)
             frames = [
@@ -154,19 +167,40 @@ def _curves(table: Table) -> Figure | None:
             g = df.groupby("round")[metric]
             mean, std = g.mean() * k, g.std(ddof=1).fillna(0.0) * k
             color = _color(i, len(table.rows))
-            ax.plot(mean.index, mean.values, color=color, label=_row_name(table, i), lw=1.6)
-            ax.fill_between(mean.index, mean - std, mean + std, color=color, alpha=0.2, lw=0)
-            if len(mean) == 1:
-                ax.plot(mean.index, mean.values, "o", color=color)
+            name = _row_name(table, i)
+            if len(mean) == 1:  # one evaluation: a point with its std, rows side by side
+                x = mean.index + (i - (len(table.rows) - 1) / 2) * dodge
+                ax.errorbar(x, mean.values, yerr=std.values, fmt="o", color=color, capsize=3,
+                            label=name, ms=6)  # fmt: skip
+            else:
+                marker = "o" if len(mean) <= MARKERS_UP_TO else None
+                ax.plot(mean.index, mean.values, color=color, label=name, lw=1.6,
+                        marker=marker, ms=3.5)  # fmt: skip
+                ax.fill_between(mean.index, mean - std, mean + std, color=color, alpha=0.2, lw=0)
+            rounds.update(int(r) for r in mean.index)
             ax.set_ylabel(_unit(table, metric))
             drawn = True
         ax.set_title(_panel_title(table, j), fontsize=10)
         ax.set_xlabel("round")
+        _round_axis(ax, rounds)
         ax.grid(alpha=0.3)
     if not drawn:
         return None
     _legend(fig, axes, " ".join(table.row_keys))
     return fig
+
+
+def _round_axis(ax, rounds: set[int]) -> None:
+    """Whole rounds only; the evaluated rounds themselves when few; room around one."""
+    if not rounds:
+        return
+    lo, hi = min(rounds), max(rounds)
+    if len(rounds) <= 8:
+        ax.set_xticks(sorted(rounds))
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    pad = 1.0 if lo == hi else max(0.3, 0.04 * (hi - lo))
+    ax.set_xlim(lo - pad, hi + pad)
 
 
 def _client_values(run: RunDir, metric: str, select: str) -> np.ndarray:
@@ -232,55 +266,70 @@ def _clients(table: Table) -> Figure | None:
     return fig if drawn else None
 
 
+LSG_KINDS = ("personal", "global")
+SET_COLORS = {"L": "#4c72b0", "S": "#dd8452", "G": "#55a868"}
+
+
 def _lsg(table: Table) -> Figure | None:
+    """Per row, the personalized and the global model (each where the runs have it):
+    three bars L, S, G each, the global model's hatched."""
     panels = _panels(table)
     if not panels or not any(_is_client_metric(_metric(table, i)) for i in range(len(table.rows))):
         return None
-    fig, axes = _figure(panels, "L / S / G accuracy (mean ± std over seeds)")
+    stat = next(
+        _metric(table, i).split(".")[2]
+        for i in range(len(table.rows))
+        if _is_client_metric(_metric(table, i))
+    )
+    fig, axes = _figure(
+        panels, f"L / S / G {stat} accuracy, personalized and global model (mean ± std over "
+        "seeds)", width=max(5.2, 1.0 + 1.1 * len(table.rows))
+    )  # fmt: skip
     drawn = False
     width = 0.8 / len(SETS)
-    set_colors = {"L": "#4c72b0", "S": "#dd8452", "G": "#55a868"}
+    pct = " (%)" if table.scale == 100 else ""
     for ax, j in zip(axes, panels):
-        names, pos = [], 0
+        ticks, names, pos = [], [], 0.0
         for i in range(len(table.rows)):
-            metric = _metric(table, i)
             runs = _finished(table, i, j)
-            if not _is_client_metric(metric) or not runs:
+            if not runs:
                 continue
-            kind, _, stat = metric.split(".")
-            for s, acc_set in enumerate(SETS):
-                m = f"{kind}.{acc_set}.{stat}"
-                v = [x for r in runs if (x := selected(r, m, table.select)[1]) is not None]
-                if not v:
+            for kind in LSG_KINDS:
+                bars = []
+                for acc_set in SETS:
+                    m = f"{kind}.{acc_set}.{stat}"
+                    v = [x for r in runs if (x := selected(r, m, table.select)[1]) is not None]
+                    bars.append(v)
+                if not any(bars):
                     continue
-                k = _scale(table, m)
-                err = np.std(v, ddof=1) * k if len(v) > 1 else 0.0
-                ax.bar(
-                    pos + (s - 1) * width,
-                    np.mean(v) * k,
-                    width,
-                    yerr=err,
-                    capsize=2,
-                    color=set_colors[acc_set],
-                    label=acc_set,
-                )
-                drawn = True
-            names.append(_row_name(table, i))
-            ax.set_ylabel(f"accuracy, {stat}" + (" (%)" if table.scale == 100 else ""))
-            if len(_kinds(table)) == 1:
-                ax.set_ylabel(
-                    f"{kind} model accuracy, {stat}" + (" (%)" if table.scale == 100 else "")
-                )
-            pos += 1
-        ax.set_xticks(
-            range(len(names)),
-            names,
-            rotation=30 if len(names) > 4 else 0,
-            ha="right" if len(names) > 4 else "center",
-        )
+                for s_, (acc_set, v) in enumerate(zip(SETS, bars)):
+                    if not v:
+                        continue
+                    k = _scale(table, f"{kind}.{acc_set}.{stat}")
+                    err = np.std(v, ddof=1) * k if len(v) > 1 else 0.0
+                    ax.bar(
+                        pos + (s_ - 1) * width,
+                        np.mean(v) * k,
+                        width,
+                        yerr=err,
+                        capsize=2,
+                        color=SET_COLORS[acc_set],
+                        hatch="//" if kind == "global" else None,
+                        edgecolor="white" if kind == "global" else None,
+                        lw=0,
+                        label=f"{acc_set}" if kind == "personal" else f"{acc_set}, global",
+                    )
+                    drawn = True
+                ticks.append(pos)
+                names.append(f"{' '.join(table.row_label(i))}\n{kind}")
+                pos += 1.0
+            pos += 0.4  # a gap between rows
+        ax.set_xticks(ticks, names, fontsize=8, rotation=30 if len(names) > 6 else 0,
+                      ha="right" if len(names) > 6 else "center")  # fmt: skip
+        ax.set_ylabel(f"accuracy, {stat}{pct}")
         ax.set_title(_panel_title(table, j), fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     if not drawn:
         return None
-    _legend(fig, axes, "test set")
+    _legend(fig, axes, "test set (hatched: the global model)")
     return fig

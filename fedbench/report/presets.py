@@ -10,9 +10,9 @@ differ from them the table says so under it. Methods not implemented or not run 
 the missing mark beside the paper's number.
 
 The paper numbers are read from `fedbench/report/paper_tables/`, which ships with the package
-(a user's clone or install has only these): verbatim copies of the curated tables
-(shared/papers/tables/*.csv, format in its README.md; tests/test_report.py checks the copies
-are complete and identical where that folder is present).
+(a user's clone or install has only these): the papers' printed numbers, one CSV row per
+number (format, sources and reading notes: docs/paper-tables.md; tests/test_report.py
+checks that every file listed there ships, with its row count).
 """
 
 from __future__ import annotations
@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from fedbench.report.collect import ReportError, RunDir, format_value, same_value
-from fedbench.report.table import Cell, PaperNumber, Table, failed_notes, fill, seeds_phrase
+from fedbench.report.table import (
+    PaperNumber,
+    Table,
+    failed_notes,
+    fill_cells,
+    seeds_phrase,
+    warn_pooled,
+)
 
 PACKAGED = Path(__file__).resolve().parent / "paper_tables"
 
@@ -51,7 +58,7 @@ class Column:
 class Preset:
     name: str
     title: str
-    csv: str  # file in papers/tables
+    csv: str  # file in fedbench/report/paper_tables/
     paper_metric: str  # `metric` in the paper CSV
     rows: tuple[Row, ...]
     columns: tuple[Column, ...]
@@ -84,9 +91,16 @@ class Preset:
         return out
 
     def build(
-        self, runs: list[RunDir], select: str | None = None, compact: bool = False
+        self,
+        runs: list[RunDir],
+        select: str | None = None,
+        compact: bool = False,
+        best_of: Any = None,
+        digits: int = 2,
     ) -> tuple[Table, list[RunDir]]:
-        """The table, and the runs that fit no cell of it."""
+        """The table, and the runs that fit no cell of it. `best_of` (a
+        `fedbench.report.compare.BestOf`): in every cell only the runs of the best value of
+        a grid key (FedPG: the best lr per method and column)."""
         select = select or self.select
         groups: dict[tuple[tuple, tuple], list[RunDir]] = defaultdict(list)
         unmatched = []
@@ -101,12 +115,6 @@ class Preset:
         if compact and groups:
             rows = [r for r in rows if any(k[0] == (r.label,) for k in groups)]
             cols = [c for c in cols if any(k[1] == (c.label,) for k in groups)]
-        cells = {}
-        for (rv, cv), group in groups.items():
-            row = self._row(rv)
-            for stat in self.stats:
-                cell = cells[(rv, cv, stat)] = Cell()
-                fill(cell, group, self.metric(row, stat), select)
         paper = {((m,), (c,), s): p for (m, c, s), p in self.paper_numbers().items()}
         when = "best round" if select == "best" else "last evaluation"
         table = Table(
@@ -117,12 +125,16 @@ class Preset:
             cols=[(c.label,) for c in cols],
             stats=list(self.stats),
             metric={((r.label,), s): self.metric(r, s) for r in rows for s in self.stats},
-            cells=cells,
+            cells={},
             groups=dict(groups),
             select=select,
             paper=paper,
             col_labels=[c.label for c in cols],
+            digits=digits,
         )
+        if best_of is not None:
+            best_of.apply(table)
+        fill_cells(table)
         table.title += (seeds_phrase(table) or "") + ")"
         table.notes += [
             "ours: fedbench runs (algorithm names: "
@@ -130,11 +142,23 @@ class Preset:
             + "); paper: the paper's printed numbers"
         ]
         table.notes += list(self.notes)
-        table.notes += self.deviations(groups)
+        table.notes += self.deviations(table.groups)
         table.notes += failed_notes(table)
         if unmatched:
             table.notes += self.unmatched_note(unmatched)
+        # a cell's runs may differ in what the paper fixes (deviations says how), not in
+        # a setting of ours beyond the seed that the layout ignores (optim.lr of a grid)
+        warn_pooled(table, self.layout_keys(), preset=True)
         return table, unmatched
+
+    def layout_keys(self) -> list[str]:
+        """The keys the layout places runs by, and the paper's settings (noted apart)."""
+        keys = {"algo", *self.settings}
+        for c in self.columns:
+            keys.update(c.match, c.settings)
+        for r in self.rows:
+            keys.update(r.settings)
+        return sorted(keys)
 
     def deviations(self, groups: dict[tuple[tuple, tuple], list[RunDir]]) -> list[str]:
         """Where the runs shown differ from the paper's settings (keys a run lacks are
@@ -233,7 +257,7 @@ def _rows(labels: str, kind: str = "personal", **row_settings: dict) -> tuple[Ro
     return tuple(Row(m, ALGO[m], kind, row_settings.get(ALGO[m], {})) for m in labels.split(", "))
 
 
-# PLGU (CVPR 2023), specs/paper-settings.md: 100 clients (TinyImageNet 20), pat with 3 / 10 /
+# PLGU (CVPR 2023), docs/papers/plgu.md: 100 clients (TinyImageNet 20), pat with 3 / 10 /
 # 30 classes per client, C clients per round, E = 5, batch 50, SGD lr 0.01 momentum 0.9 and
 # 500 rounds (ours), ResNet-18 / WRN-28-10 / ResNet-50 with GroupNorm.
 PLGU_SETTINGS = {
@@ -272,11 +296,11 @@ def _plgu_columns() -> tuple[Column, ...]:
 
 PLGU_NOTES = (
     "PLGU prints each cell as the average over clients with the lowest and highest 5% "
-    "beneath (read as bottom5, top5: papers/tables/README.md); its rounds, lr and runs are "
+    "beneath (read as bottom5, top5: docs/paper-tables.md); its rounds, lr and runs are "
     "not stated (ours: 500 rounds, SGD 0.01 momentum 0.9)",
 )
 
-# DiversiFed, specs/paper-settings.md: 40 clients all taking part, 500 rounds, E = 10,
+# DiversiFed, docs/papers/diversifed.md: 40 clients all taking part, 500 rounds, E = 10,
 # batch 100, Adam 1e-3, FMNIST 300 / CIFAR 500 train and 100 test samples per client.
 DIVERSIFED_SETTINGS = {
     "clients": 40,
@@ -467,7 +491,7 @@ PRESETS: dict[str, Preset] = {
 
 
 # --------------------------------------------------------------------------- FedSLR
-# FedSLR (Huang et al. 2023), specs/paper-settings.md "FedSLR Tables 1-2": 100 clients, 10
+# FedSLR (Huang et al. 2023), docs/papers/fedslr.md: 100 clients, 10
 # per round, ResNet-18 GroupNorm, SGD lr 0.1 decay 0.998, E = 2, batch 20, weight decay 1e-3
 # for every method, 100 matched test samples per client. One FedSLR run fills two rows:
 # its GKR (global model) and its mixed model GKR + p_i (personal).
@@ -576,7 +600,14 @@ class FedSLRPreset(Preset):
                         )
         return out
 
-    def build(self, runs: list[RunDir], select: str | None = None, compact: bool = False):
+    def build(
+        self,
+        runs: list[RunDir],
+        select: str | None = None,
+        compact: bool = False,
+        best_of: Any = None,
+        digits: int = 2,
+    ):
         expanded: list[Any] = []
         for run in runs:
             rows = [r for r in self.rows if same_value(run.get("algo"), r.algo)]
@@ -584,7 +615,7 @@ class FedSLRPreset(Preset):
                 expanded += [_InRow(run, r.label) for r in rows]
             else:
                 expanded.append(run)
-        return super().build(expanded, select, compact)
+        return super().build(expanded, select, compact, best_of, digits)
 
     def _row_of(self, run: RunDir) -> Row | None:
         label = getattr(run, "row_label", None)
@@ -662,7 +693,7 @@ PRESETS.update({p.name: p for p in _fedslr_presets()})
 
 
 # --------------------------------------------------------------------------- FedPG
-# FedPG appendix Tables 1-3 (specs/paper-settings.md): pat-2, 100 clients, 10% online (Table 2:
+# FedPG appendix Tables 1-3 (docs/papers/fedpg.md): pat-2, 100 clients, 10% online (Table 2:
 # 10/50/100%), batch 50, E = 5, 2000 rounds, SGD lr in {0.01, 0.05, 0.1} decay 0.999 (the best
 # lr per method, scripts/reproduce_fedpg.sh). Every cell prints four numbers, one sub-row each:
 # L, S, G of the personalized model (mean over honest clients) and GM, the global model's

@@ -5,18 +5,26 @@ A `Table` is format-free data: row and column key values, one `Cell` per (row, c
 stat) and, for paper presets, the paper's printed number for the same cell. `build` makes
 one from runs and `--rows/--cols/--metric`; `fedbench.report.presets` makes the paper
 layouts; `render` writes any of them in any format.
+
+The numbers are pandas': one line per (run, stat) in a tidy frame, aggregated by a
+groupby (mean, sample std, count); the formats are pandas' `to_string`, `to_latex` and
+`to_csv` of a frame of cell texts (Markdown is written here: pandas' `to_markdown` needs
+`tabulate`, which fedbench does not depend on). What a cell means is decided here:
+`cell_text` (mean ± std, `n=` when a cell has another number of runs than most, failed
+runs, notes such as the grid value `--best-of` chose) and the marks `—` (no run),
+`failed`, `n/a`.
 """
 
 from __future__ import annotations
 
-import csv
-import io
-import statistics
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
+
+import numpy as np
+import pandas as pd
 
 from fedbench.report.collect import (
     ALIASES,
@@ -42,24 +50,20 @@ LEGEND = (
 
 @dataclass
 class Cell:
-    """The runs of one table cell for one metric."""
+    """The runs of one table cell for one metric: the values of its finished runs that
+    have the metric (with their seeds, for comparisons paired by seed), and their mean and
+    sample std as `aggregate` computes them."""
 
     values: list[float] = field(default_factory=list)  # one per finished run with the metric
+    seeds: list[Any] = field(default_factory=list)  # the seed of each value
     failed: int = 0  # runs that did not finish
     absent: int = 0  # finished runs without this metric
+    mean: float | None = None
+    std: float | None = None  # sample standard deviation over seeds (n - 1); None for one run
 
     @property
     def n(self) -> int:
         return len(self.values)
-
-    @property
-    def mean(self) -> float | None:
-        return statistics.fmean(self.values) if self.values else None
-
-    @property
-    def std(self) -> float | None:
-        """Sample standard deviation over seeds (n - 1); None for a single run."""
-        return statistics.stdev(self.values) if len(self.values) > 1 else None
 
     @property
     def status(self) -> str:
@@ -78,6 +82,9 @@ class PaperNumber:
     std: str | None = None
 
 
+CellKey = tuple[tuple, tuple, str]  # (row values, column values, stat)
+
+
 @dataclass
 class Table:
     title: str
@@ -87,15 +94,19 @@ class Table:
     cols: list[tuple]
     stats: list[str]  # what each cell shows, one sub-row each (metric names or avg/top5/...)
     metric: dict[tuple[tuple, str], str | None]  # (row, stat) -> metric read from the runs
-    cells: dict[tuple[tuple, tuple, str], Cell]
+    cells: dict[CellKey, Cell]
     groups: dict[tuple[tuple, tuple], list[RunDir]]  # the runs behind each (row, column)
     select: str = "final"
     scale: float = 100.0  # accuracies are multiplied by this (100: percent)
     digits: int = 2
-    paper: dict[tuple[tuple, tuple, str], PaperNumber] | None = None
+    paper: dict[CellKey, PaperNumber] | None = None
     stat_labels: dict[str, str] | None = None  # sub-row labels (default: the stats)
     col_labels: list[str] | None = None  # headers (default: from the key values)
     notes: list[str] = field(default_factory=list)
+    legend: list[str] = field(default_factory=list)  # lines after LEGEND (--best-of, ...)
+    cell_notes: dict[CellKey, list[str]] = field(default_factory=dict)  # "(lr=0.05)"
+    cell_suffix: dict[CellKey, str] = field(default_factory=dict)  # after the notes
+    csv_extra: dict[CellKey, dict[str, Any]] = field(default_factory=dict)  # more CSV columns
 
     def col_label(self, j: int) -> str:
         if self.col_labels is not None:
@@ -116,7 +127,7 @@ class Table:
     def runs(self) -> list[RunDir]:
         return [r for group in self.groups.values() for r in group]
 
-    @cached_property
+    @property
     def typical_n(self) -> int:
         """The most common number of runs per cell: cells with another n say theirs."""
         ns = Counter(c.n for c in self.cells.values() if c.n)
@@ -157,16 +168,86 @@ def check_digits(digits: Any) -> None:
         raise ReportError(f"digits={digits!r}: a whole number of decimals from 0 to {MAX_DIGITS}")
 
 
-def fill(cell: Cell, runs: list[RunDir], metric: str, select: str) -> None:
-    for run in runs:
-        if run.failed:
-            cell.failed += 1
-            continue
-        _, value = selected(run, metric, select)
-        if value is None:
-            cell.absent += 1
-        else:
-            cell.values.append(value)
+_RUN_COLUMNS = ["gid", "stat", "metric", "seed", "value", "failed", "absent"]
+
+
+def run_values(
+    groups: dict[tuple[tuple, tuple], list[RunDir]],
+    metric_of: Callable[[tuple, str], str | None],
+    stats: list[str],
+    select: str,
+) -> tuple[pd.DataFrame, list[tuple[tuple, tuple]]]:
+    """The tidy frame behind the cells: one line per (group, stat, run) with the run's
+    seed and its value at the selected round (NaN: failed, or no such metric); and the
+    group keys, `gid` indexing them."""
+    keys = list(groups)
+    records = []
+    for gid, (rv, _) in enumerate(keys):
+        for stat in stats:
+            metric = metric_of(rv, stat)
+            if metric is None:
+                continue
+            for run in groups[keys[gid]]:
+                value = None if run.failed else selected(run, metric, select)[1]
+                absent = not run.failed and value is None
+                seed = hashable(run.get("seed"))
+                records.append((gid, stat, metric, seed, value, run.failed, absent))
+    frame = pd.DataFrame.from_records(records, columns=_RUN_COLUMNS)
+    frame["value"] = pd.to_numeric(frame["value"], errors="coerce").astype(float)
+    return frame, keys
+
+
+def aggregate(
+    groups: dict[tuple[tuple, tuple], list[RunDir]],
+    metric_of: Callable[[tuple, str], str | None],
+    stats: list[str],
+    select: str,
+) -> dict[CellKey, Cell]:
+    """One Cell per (row, column, stat) with runs: mean and sample std (n - 1) over the
+    runs that have the metric, the failed runs and those without the metric counted."""
+    frame, keys = run_values(groups, metric_of, stats, select)
+    if frame.empty:
+        return {}
+    by = ["gid", "stat"]
+    agg = frame.groupby(by, sort=False).agg(
+        mean=("value", "mean"),
+        std=("value", "std"),  # ddof=1; NaN for one value
+        failed=("failed", "sum"),
+        absent=("absent", "sum"),
+    )
+    ok = frame.dropna(subset=["value"])
+    lists = ok.groupby(by, sort=False).agg(values=("value", list), seeds=("seed", list))
+    cells = {}
+    for (gid, stat), a in agg.iterrows():
+        values, seeds = lists.loc[(gid, stat)] if (gid, stat) in lists.index else ([], [])
+        rv, cv = keys[gid]
+        cells[(rv, cv, stat)] = Cell(
+            values=list(values),
+            seeds=list(seeds),
+            failed=int(a["failed"]),
+            absent=int(a["absent"]),
+            mean=_number_or_none(a["mean"]),
+            std=_number_or_none(a["std"]),
+        )
+    return cells
+
+
+def _number_or_none(x: Any) -> float | None:
+    return None if x is None or pd.isna(x) else float(x)
+
+
+def fill_cells(table: Table) -> None:
+    """table.cells from table.groups, metric and select."""
+    table.cells = aggregate(
+        table.groups, lambda rv, stat: table.metric.get((rv, stat)), table.stats, table.select
+    )
+
+
+def group_runs(runs: list[RunDir], rows: list[str], cols: list[str]):
+    groups: dict[tuple[tuple, tuple], list[RunDir]] = defaultdict(list)
+    for r in runs:
+        groups[(key_of(r, rows), key_of(r, cols))].append(r)
+    return dict(groups)
 
 
 def build(
@@ -177,20 +258,16 @@ def build(
     select: str = "final",
     scale: float = 100.0,
     digits: int = 2,
+    best_of: Any = None,
 ) -> Table:
-    """Group `runs` by the values of `rows` and `cols` keys; every metric is a sub-row."""
+    """Group `runs` by the values of `rows` and `cols` keys; every metric is a sub-row.
+    `best_of` (a `fedbench.report.compare.BestOf`): keep, in every cell, only the runs of
+    the best value of a grid key."""
     check_digits(digits)
     check_keys(rows + cols, runs)
-    groups: dict[tuple[tuple, tuple], list[RunDir]] = defaultdict(list)
-    for r in runs:
-        groups[(key_of(r, rows), key_of(r, cols))].append(r)
+    groups = group_runs(runs, rows, cols)
     row_vals = sorted({k[0] for k in groups}, key=_tuple_order)
     col_vals = sorted({k[1] for k in groups}, key=_tuple_order)
-    cells = {}
-    for (rv, cv), group in groups.items():
-        for m in metrics:
-            cell = cells[(rv, cv, m)] = Cell()
-            fill(cell, group, m, select)
     prefix = common_prefix(metrics)
     table = Table(
         title=title(metrics, select, scale),
@@ -201,12 +278,15 @@ def build(
         stats=list(metrics),
         stat_labels={m: m[len(prefix) + 1 :] for m in metrics} if prefix else None,
         metric={(rv, m): m for rv in row_vals for m in metrics},
-        cells=cells,
-        groups=dict(groups),
+        cells={},
+        groups=groups,
         select=select,
         scale=scale,
         digits=digits,
     )
+    if best_of is not None:
+        best_of.apply(table)
+    fill_cells(table)
     table.title += seeds_phrase(table)
     table.notes += failed_notes(table)
     warn_pooled(table, rows + cols)
@@ -228,9 +308,12 @@ def title(metrics: list[str], select: str, scale: float) -> str:
     prefix = common_prefix(metrics)
     short = [m[len(prefix) + 1 :] if prefix else m for m in metrics]
     what = f"{prefix}: {', '.join(short)}" if prefix else ", ".join(metrics)
-    when = "last evaluation" if select == "final" else "best round"
     unit = ", accuracy in %" if scale == 100 and any(is_accuracy(m) for m in metrics) else ""
-    return f"{what} ({when}{unit})"
+    return f"{what} ({when(select)}{unit})"
+
+
+def when(select: str) -> str:
+    return "last evaluation" if select == "final" else "best round"
 
 
 def seeds_phrase(table: Table) -> str:
@@ -258,8 +341,9 @@ def failed_notes(table: Table) -> list[str]:
     return notes
 
 
-def warn_pooled(table: Table, keys: list[str]) -> None:
-    """Say on stderr when a cell averages runs that differ in more than the seed."""
+def warn_pooled(table: Table, keys: list[str], preset: bool = False) -> None:
+    """Say on stderr when a cell averages runs that differ in more than the seed (`keys`
+    aside: the rows' and columns', or a preset's layout and settings)."""
     differ: dict[str, set] = defaultdict(set)
     dup = 0
     for group in table.groups.values():
@@ -272,9 +356,10 @@ def warn_pooled(table: Table, keys: list[str]) -> None:
         dup += sum(c - 1 for c in seeds.values() if c > 1)
     for k, values in sorted(differ.items()):
         shown = ", ".join(sorted(format_value(v) for v in values))
+        fix = "" if preset else "add it to --rows/--cols, "
         print(
             f"fedbench-report: warning: cells pool runs that differ in {k} ({shown}); "
-            f"add it to --rows/--cols or pick one with --filter {k}=VALUE",
+            f"{fix}pick one with --filter {k}=VALUE or the best per cell with --best-of {k}",
             file=sys.stderr,
         )
     if dup:
@@ -284,7 +369,7 @@ def warn_pooled(table: Table, keys: list[str]) -> None:
         )
 
 
-# --------------------------------------------------------------------------- formatting
+# --------------------------------------------------------------------------- cell texts
 def number(table: Table, metric: str | None, x: float) -> str:
     if metric is not None and is_accuracy(metric):
         x *= table.scale
@@ -302,12 +387,16 @@ def cell_text(table: Table, i: int, j: int, stat: str, pm: str = " ± ", dash=MI
     text = number(table, metric, cell.mean)
     if cell.std is not None:
         text += pm + number(table, metric, cell.std)
+    key = (table.rows[i], table.cols[j], stat)
     notes = []
     if cell.n != table.typical_n:
         notes.append(f"n={cell.n}")
     if cell.failed:
         notes.append(f"{cell.failed} failed")
-    return text + (f" ({', '.join(notes)})" if notes else "")
+    notes += table.cell_notes.get(key, [])
+    text += f" ({', '.join(notes)})" if notes else ""
+    suffix = table.cell_suffix.get(key)
+    return f"{text} {suffix}" if suffix else text
 
 
 def paper_text(table: Table, i: int, j: int, stat: str, pm: str = " ± ", dash=MISSING) -> str:
@@ -318,17 +407,17 @@ def paper_text(table: Table, i: int, j: int, stat: str, pm: str = " ± ", dash=M
 
 
 def grid(table: Table, pm: str = " ± ", dash: str = MISSING):
-    """(header rows, body rows, number of label columns, span of each column).
-    Body rows are lists of strings; a row's stats are consecutive rows."""
+    """(headers, body rows, number of label columns, span of each table column): a header
+    is a (top, sub) pair, sub = 'ours' / 'paper' beside the paper's numbers and '' else;
+    body rows are lists of strings, a row's stats on consecutive rows."""
     with_paper = table.paper is not None
     multi = len(table.stats) > 1
     nlab = len(table.row_keys) + multi
     span = 2 if with_paper else 1
-    head1 = [*table.row_keys, *(["stat"] if multi else [])]
-    head1 += [table.col_label(j) for j in range(len(table.cols))]
-    heads = [head1]
-    if with_paper:
-        heads.append([""] * nlab + ["ours", "paper"] * len(table.cols))
+    heads = [(k, "") for k in [*table.row_keys, *(["stat"] if multi else [])]]
+    for j in range(len(table.cols)):
+        top = table.col_label(j)
+        heads += [(top, "ours"), (top, "paper")] if with_paper else [(top, "")]
     body = []
     for i in range(len(table.rows)):
         for s, stat in enumerate(table.stats):
@@ -342,45 +431,42 @@ def grid(table: Table, pm: str = " ± ", dash: str = MISSING):
     return heads, body, nlab, span
 
 
+def _columns(heads: list[tuple[str, str]], span: int):
+    return pd.MultiIndex.from_tuples(heads) if span > 1 else [h[0] for h in heads]
+
+
+def _legend_lines(table: Table) -> list[str]:
+    return [LEGEND, *table.legend]
+
+
+# --------------------------------------------------------------------------- formats
 def to_terminal(table: Table) -> str:
     heads, body, nlab, span = grid(table)
-    ncols = nlab + span * len(table.cols)
-    widths = [0] * ncols
-    for line in [heads[-1], *body] if span > 1 else [heads[0], *body]:
-        for k, text in enumerate(line):
-            widths[k] = max(widths[k], len(text))
-    for k in range(nlab):
-        widths[k] = max(widths[k], len(heads[0][k]))
-    # a column label over its (ours, paper) pair may be wider than the pair
-    for j in range(len(table.cols)):
-        first = nlab + span * j
-        need = len(heads[0][nlab + j]) - (sum(widths[first : first + span]) + 2 * (span - 1))
-        if need > 0:
-            widths[first + span - 1] += need
-    gap = "  "
-
-    def fmt(line: list[str]) -> str:
-        out = [t.ljust(widths[k]) if k < nlab else t.rjust(widths[k]) for k, t in enumerate(line)]
-        return gap.join(out).rstrip()
-
-    lines = [table.title, ""]
-    top = [h.ljust(widths[k]) for k, h in enumerate(heads[0][:nlab])]
-    for j in range(len(table.cols)):
-        first = nlab + span * j
-        w = sum(widths[first : first + span]) + len(gap) * (span - 1)
-        top.append(heads[0][nlab + j].center(w) if span > 1 else heads[0][nlab + j].rjust(w))
-    lines.append(gap.join(top).rstrip())
-    if span > 1:
-        lines.append(fmt(heads[1]))
-    lines.append(gap.join("─" * w for w in widths))
+    df = pd.DataFrame(body, columns=range(len(heads)), dtype=object)
+    # pandas right-aligns; the labels are left-aligned (values and header padded to one
+    # width), and every column gets a second space of gap before it
+    for k in range(len(heads)):
+        top, sub = heads[k]
+        if k < nlab:
+            width = max(len(top), *(len(t) for t in df[k])) if len(df) else len(top)
+            df[k] = [t.ljust(width + 1) for t in df[k]]
+            heads[k] = (top.ljust(width + 1), sub)
+        else:
+            df[k] = [" " + t for t in df[k]]
+            heads[k] = (" " + top, " " + sub if sub else "")
+    df.columns = _columns(heads, span)
+    lines = [line.rstrip() for line in df.to_string(index=False).splitlines()]
+    nhead = 2 if span > 1 else 1
+    head, rest = lines[:nhead], lines[nhead:]
+    out = [table.title, "", *head, "─" * max(len(line) for line in lines)]
     multi = len(table.stats) > 1
-    for n, line in enumerate(body):
+    for n, line in enumerate(rest):
         if multi and n and n % len(table.stats) == 0:
-            lines.append("")
-        lines.append(fmt(line))
-    lines.append("")
-    lines += [LEGEND, *table.notes]
-    return "\n".join(lines) + "\n"
+            out.append("")
+        out.append(line)
+    out.append("")
+    out += [*_legend_lines(table), *table.notes]
+    return "\n".join(out) + "\n"
 
 
 def _md_escape(text: str) -> str:
@@ -388,17 +474,17 @@ def _md_escape(text: str) -> str:
 
 
 def to_markdown(table: Table) -> str:
-    heads, body, nlab, span = grid(table)
-    header = heads[0]
-    if span > 1:
-        subs = ("ours", "paper")
-        header = header[:nlab] + [f"{h} {s}" for h in header[nlab:] for s in subs]
+    heads, body, nlab, _ = grid(table)
+    header = [f"{top} {sub}" if sub else top for top, sub in heads]
+    df = pd.DataFrame(
+        [[_md_escape(t) for t in row] for row in body], columns=range(len(header)), dtype=object
+    )
     lines = [f"**{table.title}**", ""]
     lines.append("| " + " | ".join(_md_escape(h) for h in header) + " |")
     lines.append("|" + "|".join(":---" if k < nlab else "---:" for k in range(len(header))) + "|")
-    for line in body:
-        lines.append("| " + " | ".join(_md_escape(t) for t in line) + " |")
-    lines += ["", f"{LEGEND}.", ""]
+    lines += ["| " + " | ".join(row) + " |" for row in df.itertuples(index=False)]
+    legend = _legend_lines(table)
+    lines += ["", f"{legend[0]}.", *legend[1:], ""]
     lines += [f"  - {n.strip()}" if n.startswith("  ") else f"- {n}" for n in table.notes]
     return "\n".join(lines) + "\n"
 
@@ -424,48 +510,48 @@ def tex_escape(text: str) -> str:
 
 
 def to_latex(table: Table) -> str:
-    heads, body, nlab, span = grid(table, pm=" ± ", dash=MISSING)
-    ncols = nlab + span * len(table.cols)
-    lines = [
-        "% fedbench-report; needs \\usepackage{booktabs}",
-        f"% {tex_escape(table.title)}",
-        f"\\begin{{tabular}}{{{'l' * nlab}{'r' * (ncols - nlab)}}}",
-        "\\toprule",
-    ]
-    top = [tex_escape(h) for h in heads[0][:nlab]]
-    rules = []
-    for j in range(len(table.cols)):
-        text = tex_escape(heads[0][nlab + j])
-        if span > 1:
-            first = nlab + span * j + 1
-            top.append(f"\\multicolumn{{{span}}}{{c}}{{{text}}}")
-            rules.append(f"\\cmidrule(lr){{{first}-{first + span - 1}}}")
-        else:
-            top.append(text)
-    lines.append(" & ".join(top) + r" \\")
-    if span > 1:
-        lines.append(" ".join(rules))
-        lines.append(" & ".join(tex_escape(h) for h in heads[1]) + r" \\")
-    lines.append("\\midrule")
+    """pandas' `to_latex` (booktabs rules; the paper's (ours, paper) pairs under one
+    centered header), with a \\cmidrule under each pair and space between rows' stats."""
+    heads, body, nlab, span = grid(table)
+    df = pd.DataFrame(
+        [[tex_escape(t) for t in row] for row in body], columns=range(len(heads)), dtype=object
+    )
+    df.columns = _columns([(tex_escape(t), tex_escape(s)) for t, s in heads], span)
+    ncols = len(heads)
+    tex = df.to_latex(
+        index=False,
+        escape=False,
+        column_format="l" * nlab + "r" * (ncols - nlab),
+        multicolumn=True,
+        multicolumn_format="c",
+    ).splitlines()
+    out = ["% fedbench-report; needs \\usepackage{booktabs}", f"% {tex_escape(table.title)}"]
+    mid = tex.index("\\midrule")
+    if span > 1:  # a rule under each column's (ours, paper) pair
+        rules = " ".join(
+            f"\\cmidrule(lr){{{nlab + span * j + 1}-{nlab + span * (j + 1)}}}"
+            for j in range(len(table.cols))
+        )
+        tex.insert(mid - 1, rules)
+        mid += 1
+    out += tex[: mid + 1]
     multi = len(table.stats) > 1
-    for n, line in enumerate(body):
+    for n, line in enumerate(tex[mid + 1 : mid + 1 + len(body)]):
         if multi and n and n % len(table.stats) == 0:
-            lines.append("\\addlinespace")
-        lines.append(" & ".join(tex_escape(t) for t in line) + r" \\")
-    lines += ["\\bottomrule", "\\end{tabular}"]
-    lines += [f"% {tex_escape(n)}" for n in [LEGEND, *table.notes]]
-    return "\n".join(lines) + "\n"
+            out.append("\\addlinespace")
+        out.append(line)
+    out += tex[mid + 1 + len(body) :]
+    out += [f"% {tex_escape(n)}" for n in [*_legend_lines(table), *table.notes]]
+    return "\n".join(out) + "\n"
 
 
-def to_csv(table: Table) -> str:
-    """Tidy: one line per (row, column, stat) with the unrounded mean and std in the
-    table's unit (percent unless --fraction), n, failed runs, status (and the paper's)."""
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
+def tidy(table: Table) -> pd.DataFrame:
+    """One line per (row, column, stat) with the unrounded mean and std in the table's
+    unit (percent unless --fraction), n, failed runs, status (and the paper's, and what
+    --best-of and --reference add)."""
     col_keys = table.col_keys or ["column"]
-    head = [*table.row_keys, *col_keys, "stat", "metric", "select", "mean", "std", "n", "failed"]
-    head += ["status"] + (["paper", "paper_std"] if table.paper is not None else [])
-    w.writerow(head)
+    extra = list(dict.fromkeys(k for d in table.csv_extra.values() for k in d))
+    records = []
     for i, rv in enumerate(table.rows):
         for j, cv in enumerate(table.cols):
             cvals = [format_value(v) for v in cv] if table.col_keys else [table.col_label(j)]
@@ -475,16 +561,33 @@ def to_csv(table: Table) -> str:
                     continue
                 cell = table.cell(i, j, stat)
                 k = table.scale if is_accuracy(metric) else 1.0
-                mean = "" if cell.mean is None else f"{cell.mean * k:.10g}"
-                std = "" if cell.std is None else f"{cell.std * k:.10g}"
-                line = [*table.row_label(i), *cvals, table.stat_label(stat), metric, table.select]
-                line += [mean, std]
-                line += [cell.n, cell.failed, cell.status]
+                rec = dict(zip(table.row_keys, table.row_label(i)))
+                rec.update(zip(col_keys, cvals))
+                rec.update(stat=table.stat_label(stat), metric=metric, select=table.select)
+                rec.update(
+                    mean=np.nan if cell.mean is None else cell.mean * k,
+                    std=np.nan if cell.std is None else cell.std * k,
+                    n=cell.n,
+                    failed=cell.failed,
+                    status=cell.status,
+                )
                 if table.paper is not None:
                     p = table.paper.get((rv, cv, stat))
-                    line += [p.value if p else "", (p.std or "") if p else ""]
-                w.writerow(line)
-    return buf.getvalue()
+                    rec.update(paper=p.value if p else "", paper_std=(p.std or "") if p else "")
+                rec.update(table.csv_extra.get((rv, cv, stat), {}))
+                records.append([rec.get(c) for c in [*_tidy_head(table, col_keys), *extra]])
+    return pd.DataFrame(records, columns=[*_tidy_head(table, col_keys), *extra])
+
+
+def _tidy_head(table: Table, col_keys: list[str]) -> list[str]:
+    head = [*table.row_keys, *col_keys, "stat", "metric", "select", "mean", "std", "n"]
+    head += ["failed", "status"]
+    return head + (["paper", "paper_std"] if table.paper is not None else [])
+
+
+def to_csv(table: Table) -> str:
+    """The tidy frame as CSV (numbers unrounded: 10 significant digits)."""
+    return tidy(table).to_csv(index=False, lineterminator="\n", float_format="%.10g")
 
 
 RENDER = {"terminal": to_terminal, "markdown": to_markdown, "latex": to_latex, "csv": to_csv}
