@@ -2,19 +2,26 @@
 arXiv:1912.00818, Section 3 and Algorithm 1).
 
 Model = base layers W_B (shared) + the last K_P personalization layers W_P,i (kept by each
-client; K_P = `personal_layers`, counted in `model.layers()` units, the classifier head
-being the last one). Round t, each sampled client i: start from (W_B^t, W_P,i); train both
-together E epochs of the run's optimizer on its data; keep W_P,i; upload W_B,i.
-Server: W_B^{t+1} = sum_i w_i W_B,i with w_i = n_i / n (FedAvg's weights, the paper's
-Algorithm 1) or 1/C (`weighting`). Client i deploys (W_B^t, W_P,i): the current base with
-its own personalization layers; a client never sampled deploys the initial ones.
-This is also what the FedSLR authors' code runs as "FedRep" (head and body trained
-together for E epochs, no separate head phase).
+client; K_P = `personal_layers`). Round t, each sampled client i: start from
+(W_B^t, W_P,i); train both together E epochs of the run's optimizer on its data; keep
+W_P,i; upload W_B,i. Server: W_B^{t+1} = sum_i w_i W_B,i with w_i = n_i / n (FedAvg's
+weights, the paper's Algorithm 1) or 1/C (`weighting`). Client i deploys
+(W_B^{t+1}, W_P,i): the latest aggregated base with its own personalization layers (as
+PFLlib, FL-bench and the Flower baseline evaluate); a client never sampled deploys the
+initial personalization layers.
+RECONSTRUCTION (the paper leaves these open):
+- a "layer" is one unit of `model.layers()` (a Conv/Linear with the norm after it; the
+  classifier head is the last one); K_P = 1, the head, as PFLlib and FL-bench personalize
+  the classifier (the paper and the Flower baseline also try 2-4);
+- the deployed base is the latest aggregate (the FedSLR authors' code, whose "FedRep" is
+  FedPer's training step with their fully connected layers personal and a uniform base
+  average, scores with the base before aggregation).
 Uploads: each client's trained state, of which the server uses the base entries (kind
-"model", ref = the W_B^t it trained from). Communication: the base entries, each way.
-Buffers: with the base (averaged, weights >= 0): a BatchNorm inside a personalization
-layer keeps its affine parameters personal, its running statistics shared.
-Not a reconstruction; K_P = 1 (the head) is our default, the paper varies it (1-4).
+"model", ref = the W_B^t it trained from); the personal entries of the base row never
+change. Communication: the base entries (parameters and shared buffers), each way.
+Buffers: belong to their module: a BatchNorm inside a personalization layer keeps its
+running statistics with the client, as its affine parameters (Flower and FL-bench keep the
+personal modules' whole state); every other buffer is averaged with the base.
 """
 
 from __future__ import annotations
@@ -53,7 +60,11 @@ class FedPer(Algorithm):
             )
         names = [p for layer in layers[-k:] for p in layer.params]
         mask = engine.spec.mask(names, device=self.device)  # [P]
-        self.personal_entries = state_entries(mask, engine.n_state)  # [D]: buffers shared
+        self.personal_entries = state_entries(mask, engine.n_state)  # [D]
+        modules = {n.rsplit(".", 1)[0] for n in names}
+        for e in engine.spec.buffers:  # a personal module's statistics are personal too
+            if e.name.rsplit(".", 1)[0] in modules:
+                self.personal_entries[e.start : e.stop] = True
         self.base = engine.initial_state()  # [D] (personal entries unused)
         self.personal = self.base[self.personal_entries].repeat(self.N, 1)  # [N, K]
 
@@ -68,7 +79,8 @@ class FedPer(Algorithm):
         idx = torch.as_tensor(clients, device=self.device)
         self.personal[idx] = res.states[:, self.personal_entries]
         up = self.receive(res.states, clients, ref=self.base)  # the bases (personal unused)
-        self.base = self.weights(clients, self.hp.weighting) @ up
+        avg = self.weights(clients, self.hp.weighting) @ up
+        self.base = torch.where(self.personal_entries, self.base, avg)
         n = len(clients) * (self.engine.n_state - int(self.personal_entries.sum()))
         return {"train_loss": res.loss.mean(), **self.comm(clients, up=n, down=n)}
 
