@@ -128,3 +128,18 @@ def crash_and_resume(
         after_crash(tmp_path / "run")
     resumed = Run(compose([*cfg, "resume=true"]), tmp_path / "run", progress=False)
     return full, resumed.run()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test is `quick` (a unit test, seconds) or `slow` (real data, end to end), not
+    both: `pytest -m quick` and `pytest -m slow` together are the whole suite."""
+    bad = [
+        it.nodeid
+        for it in items
+        if (it.get_closest_marker("quick") is None) == (it.get_closest_marker("slow") is None)
+    ]
+    if bad:
+        raise pytest.UsageError(
+            f"{len(bad)} test(s) need exactly one of @pytest.mark.quick / @pytest.mark.slow: "
+            + ", ".join(bad[:5])
+        )

@@ -19,6 +19,7 @@ def _attack(kind, a1_grad="scaled", n=10, seed=3):
     return Attack(kind, 0.3, n, seed, a1_grad)
 
 
+@pytest.mark.quick
 def test_malicious_set_is_drawn_from_the_seed():
     a, b, c = _attack("a1"), _attack("a1"), _attack("a1", seed=4)
     assert a.count == 3 and (a.malicious == b.malicious).all()
@@ -31,6 +32,7 @@ def _split(a, clients):
     return np.flatnonzero(mal), np.flatnonzero(~mal)
 
 
+@pytest.mark.quick
 def test_a1_on_models_replaces_malicious_parameters_with_gaussians_only():
     a = _attack("a1")
     clients = np.arange(10)
@@ -49,6 +51,7 @@ def test_a1_on_models_replaces_malicious_parameters_with_gaussians_only():
     assert torch.equal(x, torch.stack([torch.randn(4000, generator=gen) for _ in bad]))
 
 
+@pytest.mark.quick
 def test_a2_on_models_scales_the_update_100_times():
     a = _attack("a2")
     clients = np.array([9, 0, 4, 7, 2])
@@ -62,6 +65,7 @@ def test_a2_on_models_scales_the_update_100_times():
     assert torch.equal(out[bad, 20:], up[bad, 20:])
 
 
+@pytest.mark.quick
 def test_attacks_on_gradients():
     clients = np.arange(10)
     g = torch.randn(10, 50)
@@ -85,6 +89,7 @@ def test_attacks_on_gradients():
     assert torch.equal(a2[good], g[good]) and torch.allclose(a2[bad], 100 * g[bad])
 
 
+@pytest.mark.quick
 def test_loss_reports_pass_and_other_uploads_are_attacked():
     a = _attack("a2")
     clients = np.arange(10)
@@ -98,6 +103,7 @@ def test_loss_reports_pass_and_other_uploads_are_attacked():
     assert torch.equal(o1[good], other[good]) and not torch.allclose(o1[bad], other[bad])
 
 
+@pytest.mark.quick
 def test_bad_config_values_are_config_errors():
     with pytest.raises(ConfigError):
         Attack("a3", 0.1, 10, 0)
@@ -128,6 +134,7 @@ def test_runner_refuses_unreachable_algorithms_and_scores_honest_clients(tmp_pat
     assert clients == set(range(20)) - bad
 
 
+@pytest.mark.quick
 def test_global_all_pools_only_honest_clients_test_sets():
     """GM (`all`): under an attack, the pooled test sets of honest clients only."""
     from fedbench.evaluation import evaluate

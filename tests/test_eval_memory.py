@@ -25,6 +25,7 @@ EXTRA = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ALGORITHMS.names())
 def test_evaluation_never_calls_personal_states(name, monkeypatch):
     algo, _, fed = make_algo(name, EXTRA.get(name, []))
@@ -52,6 +53,7 @@ def _bench(*args: str) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow
 def test_evaluation_extra_peak_is_a_few_models_not_n():
     """A 2.7M-parameter MLP, 96 clients: every [N, D] row would be 96 models (1 GB); an
     evaluation of FedRep, Ditto or pFedMe adds a few models at most to the process's peak RSS

@@ -86,6 +86,7 @@ def test_uploads_go_through_receive(name, extra):
         torch.testing.assert_close(b - before, 100 * (h - before), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.quick
 def test_local_uploads_nothing():
     algo, _, _ = make("local")
     assert not type(algo).attackable

@@ -42,6 +42,7 @@ def brute_force_min_norm(K: np.ndarray) -> np.ndarray:
     return arg
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case", range(12))
 def test_qp_satisfies_kkt_and_equals_brute_force(case):
     rng = np.random.default_rng(case)
@@ -60,12 +61,14 @@ def test_qp_satisfies_kkt_and_equals_brute_force(case):
     assert np.allclose(lam, ref, atol=1e-5)
 
 
+@pytest.mark.quick
 def test_qp_degenerate_returns_none():
     assert min_norm_weights(np.full((3, 3), np.nan)) is None
     assert min_norm_weights(np.zeros((3, 3))) is None
     assert np.allclose(min_norm_weights(np.ones((1, 1))), [1.0])
 
 
+@pytest.mark.quick
 def test_fairness_gradient_equals_autograd_of_minus_cos():
     L = torch.tensor([0.3, 1.2, 0.7, 2.0], dtype=torch.float64, requires_grad=True)
     F_ = -F.cosine_similarity(L, torch.ones_like(L), dim=0)
@@ -74,6 +77,7 @@ def test_fairness_gradient_equals_autograd_of_minus_cos():
     assert fedpg.fairness_value(L.detach()) == pytest.approx(F_.detach().item(), abs=1e-12)
 
 
+@pytest.mark.quick
 def test_fairness_row_dropped_when_losses_equal():
     gh = torch.randn(3, 5)
     assert fedpg.fairness_row(torch.full((3,), 0.7), gh, 1.0) is None
@@ -82,6 +86,7 @@ def test_fairness_row_dropped_when_losses_equal():
     assert row.norm().item() == pytest.approx(2.0, rel=1e-5)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case", range(10))
 def test_rescaled_direction_is_a_common_descent_direction(case):
     g = torch.Generator().manual_seed(case)
@@ -102,6 +107,7 @@ def test_rescaled_direction_is_a_common_descent_direction(case):
     assert torch.allclose(d, d_old * sigma, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_rescale_halves_while_infeasible_then_falls_back_to_d_old():
     d_old = torch.tensor([1.0, 0.0], dtype=torch.float64)
     # Q d_old = (1, -2e-7): target 8 gives min -1.6e-6 < -1e-6, halved once (4 > 2 ||d_old||)
@@ -121,6 +127,7 @@ def test_rescale_halves_while_infeasible_then_falls_back_to_d_old():
     assert fedpg.rescale_factor(np.array([1.0, -1e-5]), 1.0, 8.0) == (1.0, 1.0)
 
 
+@pytest.mark.quick
 def test_normalize_drops_tiny_gradients_and_uses_the_mean_norm():
     g = torch.tensor([[3.0, 4.0], [0.0, 1e-8], [0.0, 1.0]])
     keep, mu, gh = fedpg.normalize(g)
@@ -129,6 +136,7 @@ def test_normalize_drops_tiny_gradients_and_uses_the_mean_norm():
     assert torch.allclose(gh.norm(dim=1), torch.tensor([3.0, 3.0]))
 
 
+@pytest.mark.quick
 def test_median_mu_ignores_one_scaled_gradient():
     g = torch.tensor([[1.0, 0.0], [0.0, 2.0], [0.0, 3.0], [300.0, 0.0]])
     _, mu_mean, _ = fedpg.normalize(g)
@@ -138,6 +146,7 @@ def test_median_mu_ignores_one_scaled_gradient():
     assert torch.allclose(gh.norm(dim=1), torch.full((4,), 2.0))
 
 
+@pytest.mark.quick
 def test_personal_coeffs_on_a_hand_made_case():
     # gh1 = (1, 0), gh2 = (-0.6, 0.8): the min-norm point is d = (0.2, 0.4), D = (0.2, 0.2),
     # K12 = -0.6; r_1 = D_2 / (D_2 - K_12) = 0.2 / 0.8 = 0.25 and likewise r_2.
@@ -154,6 +163,7 @@ def test_personal_coeffs_on_a_hand_made_case():
     assert torch.allclose(r1, torch.ones(2, dtype=torch.float64))
 
 
+@pytest.mark.quick
 def test_gamma_modes():
     r = torch.tensor([0.1, 0.5, 1.0], dtype=torch.float64)
     assert fedpg.apply_gamma(r, None, "floor").tolist() == [0.1, 0.5, 1.0]
@@ -189,6 +199,7 @@ def _quadratic_search(eta, s, sigma=1.0, beta=1e-4):
     return e, n, tried
 
 
+@pytest.mark.quick
 def test_line_search_accepts_exactly_the_armijo_step_on_a_quadratic():
     e, n, tried = _quadratic_search(1.0, 1)  # ub 2 > 2(1 - 1e-4) fails, 1 passes
     assert (e, n, tried) == (1.0, 2, [2.0, 1.0])
@@ -198,6 +209,7 @@ def test_line_search_accepts_exactly_the_armijo_step_on_a_quadratic():
     assert tried == [1.999]
 
 
+@pytest.mark.quick
 def test_line_search_falls_back_to_mean_decrease_then_smallest_mean():
     L0 = torch.tensor([1.0, 1.0], dtype=torch.float64)
     gd = torch.tensor([1.0, 1.0], dtype=torch.float64)
@@ -221,6 +233,7 @@ def test_line_search_falls_back_to_mean_decrease_then_smallest_mean():
     assert e == 1.0  # none decreased: the smallest mean loss
 
 
+@pytest.mark.quick
 def test_line_search_rejects_a_step_that_passes_every_L_i_but_not_F():
     # unequal losses: at eta = 2 both losses fall enough (Armijo per client holds) but the
     # spread grows, so F = -cos(L, 1) rises and the trial is rejected; at eta = 1 the
@@ -246,6 +259,7 @@ def test_line_search_rejects_a_step_that_passes_every_L_i_but_not_F():
     assert (e, n, tried) == (1.0, 2, [2.0, 1.0])
 
 
+@pytest.mark.quick
 def test_sfedpg_first_trial_is_eta_when_the_last_round_had_a_client_this_one_lacks(monkeypatch):
     algo, eng, fed = make_algo("sfedpg", ["optim.lr_decay=0.9"])
     firsts = []
@@ -270,6 +284,7 @@ def test_sfedpg_first_trial_is_eta_when_the_last_round_had_a_client_this_one_lac
     assert [eta for eta, _ in firsts] == pytest.approx([0.1, 0.09, 0.081])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("backend", ["sequential", "vmap"])
 def test_full_grads_equal_autograd_client_by_client(tiny_fed, backend):
     torch.manual_seed(0)
@@ -290,6 +305,7 @@ def test_full_grads_equal_autograd_client_by_client(tiny_fed, backend):
     assert only.grads is None and torch.allclose(only.loss, res.loss)
 
 
+@pytest.mark.quick
 def test_qp_failure_falls_back_to_the_mean_with_one_warning(monkeypatch, caplog):
     algo, eng, fed = make_algo("fedpg")
     monkeypatch.setattr(fedpg, "min_norm_weights", lambda K, **kw: None)
@@ -319,6 +335,7 @@ def _expected_round(algo, eng, t, clients, hist_rows=None):
     return w - eta * d, w[None] - eta * p, res.grads / res.grads.norm(dim=1, keepdim=True)
 
 
+@pytest.mark.quick
 def test_fedpg_round_from_its_pieces_with_history_and_its_expiry():
     algo, eng, fed = make_algo("fedpg", ["optim.lr_decay=0.9"])
     P = eng.n_params
@@ -346,6 +363,7 @@ def test_fedpg_round_from_its_pieces_with_history_and_its_expiry():
     assert torch.allclose(algo.w[:P], w6, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_comm_counts_the_line_search_queries_of_the_online_clients(monkeypatch):
     algo, eng, fed = make_algo("sfedpg")
     algo.round(0, np.array([0, 1, 2]))
@@ -376,6 +394,7 @@ def test_comm_counts_the_line_search_queries_of_the_online_clients(monkeypatch):
     assert info["bytes_down"] == (3 * (D + P + 1) + 2 * trials) * 4
 
 
+@pytest.mark.quick
 def test_pseudo_gradient_mode_runs_and_personal_models_differ():
     algo, eng, fed = make_algo("fedpg", ["algo.client_grad=pseudo", "algo.gamma=0.6"])
     w0 = algo.w.clone()
@@ -395,6 +414,7 @@ def test_fedpg_learns_fmnist(tmp_path, algo):
     assert final["personal"]["G"]["avg"] > 0.55
 
 
+@pytest.mark.slow
 def test_reproduce_script_cells_are_one_cell_commands():
     """Every run scripts/reproduce_fedpg.sh starts for Tables 1 (FMNIST) and 3 (A2) composes
     exactly `fedbench +experiment=<preset> algo=<a> seed=0 optim.lr=<lr> [algo.gamma=<g>]`
@@ -441,6 +461,7 @@ def test_reproduce_script_cells_are_one_cell_commands():
     )
 
 
+@pytest.mark.quick
 def test_qp_non_optimal_status_accepted_only_with_a_small_kkt_gap(monkeypatch):
     from cvxopt import matrix, solvers
 

@@ -15,6 +15,7 @@ from fedbench.algorithms.fedmgda import box_weights
 from fedbench.models import build_model
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case", range(8))
 def test_fedmgda_weights_stay_in_the_box_and_on_the_simplex(case):
     rng = np.random.default_rng(case)
@@ -41,6 +42,7 @@ def test_fedmgda_weights_stay_in_the_box_and_on_the_simplex(case):
     assert np.allclose(box_weights(gh, lam0, 1.0), min_norm_weights(K), atol=1e-6)
 
 
+@pytest.mark.quick
 def test_fedmgda_server_step_is_the_normalized_combination():
     algo, eng, fed = make_algo("fedmgda", ["algo.server_lr=0.5"])
     w0 = algo.w.clone()
@@ -52,6 +54,7 @@ def test_fedmgda_server_step_is_the_normalized_combination():
     assert torch.allclose(algo.w[:P], w0[:P] - 0.5 * lam @ gh, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_fedmgda_default_server_step_is_the_runs_decayed_lr():
     # server_lr: null (the YAML default) steps by optim.lr_at(t), as the FedPG authors' code
     algo, eng, fed = make_algo("fedmgda", ["optim.lr_decay=0.5"], lr=0.05)
@@ -68,6 +71,7 @@ def test_fedmgda_default_server_step_is_the_runs_decayed_lr():
         assert torch.allclose(algo.w[:P], w0[:P] - eta * lam @ gh, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_apfl_loss_gives_the_three_apfl_gradients():
     torch.manual_seed(0)
     base = build_model("mlp", (6,), 3, hidden=[5])
@@ -102,6 +106,7 @@ def test_apfl_loss_gives_the_three_apfl_gradients():
     assert m.alpha.grad is None or m.alpha.grad.abs().item() == 0
 
 
+@pytest.mark.quick
 def test_apfl_fixed_alpha_stays_and_adaptive_alpha_moves():
     fixed, *_ = make_algo("apfl", ["algo.alpha=0.5", "algo.adaptive=false"])
     adapt, *_ = make_algo("apfl", ["algo.alpha=0.1", "algo.adaptive=true"], lr=0.5)
@@ -113,6 +118,7 @@ def test_apfl_fixed_alpha_stays_and_adaptive_alpha_moves():
     assert not torch.allclose(a, torch.tensor(0.1)) and (a >= 0).all() and (a <= 1).all()
 
 
+@pytest.mark.slow
 def test_apfl_personal_model_has_v_s_own_batchnorm_statistics():
     from torch import nn
 
@@ -150,6 +156,7 @@ def test_apfl_personal_model_has_v_s_own_batchnorm_statistics():
         assert torch.allclose(out[:P], exp)
 
 
+@pytest.mark.quick
 def test_apfl_model_size_counts_v_and_w():
     algo, eng, fed = make_algo("apfl")
     size = algo.model_size()
@@ -157,6 +164,7 @@ def test_apfl_model_size_counts_v_and_w():
     assert size["params_global"] == eng.n_params
 
 
+@pytest.mark.quick
 def test_splitgp_server_head_is_averaged_and_bodies_mixed(monkeypatch):
     from fedbench.algorithms import splitgp
 

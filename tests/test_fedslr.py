@@ -44,6 +44,7 @@ def assert_clear_of_threshold(w: torch.Tensor, spec: ModelSpec, tau: float, marg
 
 
 # ------------------------------------------------------------------ prox operators
+@pytest.mark.quick
 def test_svt_hand_computed():
     # W = U diag(3, 0.5) V^T with rotations U (30 deg), V (45 deg); tau = 1:
     # singular values 3 -> 2, 0.5 -> 0, so the result is 2 u1 v1^T and the rank drops to 1.
@@ -64,6 +65,7 @@ def test_svt_hand_computed():
     assert int(rank) == 2
 
 
+@pytest.mark.quick
 def test_conv_reshape_round_trip_and_layout():
     w = torch.randn(5, 3, 2, 4)
     m = to_matrix(w)
@@ -77,6 +79,7 @@ def test_conv_reshape_round_trip_and_layout():
     assert torch.equal(from_matrix(to_matrix(lin), lin.shape), lin)
 
 
+@pytest.mark.quick
 def test_soft_threshold():
     x = torch.tensor([-2.0, -0.3, 0.0, 0.2, 0.5, 3.0])
     assert torch.allclose(soft_threshold(x, 0.5), torch.tensor([-1.5, 0.0, 0.0, 0.0, 0.0, 2.5]))
@@ -92,6 +95,7 @@ class ConvNet(nn.Module):
         self.fc = nn.Linear(8, 5)
 
 
+@pytest.mark.quick
 def test_nuclear_prox_per_layer():
     torch.manual_seed(0)
     model = ConvNet()
@@ -138,6 +142,7 @@ class PerClientFedSLR(FedSLR):
         return z
 
 
+@pytest.mark.quick
 def test_memory_efficient_server_equals_per_client_form():
     extra = ["algo.rank_penalty=0.03", "algo.sparse_penalty=0.01"]
     algo, eng, fed = make_algo("fedslr", extra)
@@ -164,6 +169,7 @@ def test_memory_efficient_server_equals_per_client_form():
     assert any(r.rank < r.full for r in algo.ranks)
 
 
+@pytest.mark.quick
 def test_zero_penalties_reduce_to_feddyn_and_plain_fusion_sgd():
     extra = [
         "algo.rank_penalty=0",
@@ -198,6 +204,7 @@ def test_zero_penalties_reduce_to_feddyn_and_plain_fusion_sgd():
             assert torch.allclose(slr.p[i], res.states[0, :P] - sent[:P], atol=1e-5), (t, i)
 
 
+@pytest.mark.quick
 def test_p_init_and_sparsity():
     algo, eng, _ = make_algo("fedslr", ["algo.sparse_penalty=0.5"])
     P = eng.n_params
@@ -215,6 +222,7 @@ def test_p_init_and_sparsity():
     assert torch.allclose(algo.personal_states()[0], s)
 
 
+@pytest.mark.quick
 def test_phase2_one_batch_by_hand():
     """One Phase II batch by hand: p' = soft_threshold(p - lr (g + wd_f p), lr lambda_s), g
     the autograd gradient of the cross-entropy at theta^t + p, wd_f = fusion_weight_decay
@@ -261,6 +269,7 @@ class ConvGN(nn.Module):
         return self.fc(torch.relu(self.norm(self.conv(x.view(-1, 3, 6, 6)))).flatten(1))
 
 
+@pytest.mark.quick
 def test_p_init_copy_on_conv_groupnorm():
     """copy: every Conv/Linear tensor's p (biases too) is the initial weights; the norm
     layers' p is 0."""
@@ -286,6 +295,7 @@ def test_p_init_copy_on_conv_groupnorm():
     assert algo.p_nnz.tolist() == [int((algo.p[0] != 0).sum())] * fed.num_clients
 
 
+@pytest.mark.quick
 def test_server_prox_threshold_is_rank_penalty_over_alpha():
     """theta^{t+1}'s singular values are z's minus rank_penalty / alpha, clamped at 0, per
     matrix layer (alpha = 0.1, rank_penalty = 0.03: tau = 0.3, not 0.03 or 0.003)."""
@@ -313,6 +323,7 @@ def test_server_prox_threshold_is_rank_penalty_over_alpha():
     assert dropped  # some singular value went to 0
 
 
+@pytest.mark.quick
 def test_bytes_down_is_the_factorized_gkr_at_the_rounds_start():
     """bytes_down = 4 C (sum over matrices of min(r (m + n), m n) at the ranks theta^t had
     when sent + the 1-D tensors + the buffers), by hand; bytes_up = 4 C D."""
@@ -336,6 +347,7 @@ def test_bytes_down_is_the_factorized_gkr_at_the_rounds_start():
     assert any(a != b for a, b in history)
 
 
+@pytest.mark.quick
 def test_nnz_count_tracks_p_through_rounds():
     algo, eng, fed = make_algo("fedslr", ["algo.sparse_penalty=0.5"])
     for t, clients in enumerate([[0, 1], [2], [1, 2]]):
@@ -347,6 +359,7 @@ def test_nnz_count_tracks_p_through_rounds():
         assert info["p_density"] == pytest.approx(float(nnz.float().mean()) / eng.n_params)
 
 
+@pytest.mark.quick
 def test_checkpoint_round_trip():
     algo, eng, fed = make_algo("fedslr", ["algo.rank_penalty=0.002"])
     algo.round(0, np.array([0, 2]))
@@ -386,6 +399,7 @@ def test_fedslr_learns_fmnist_and_gkr_becomes_low_rank(tmp_path):
     assert summary["size"]["down_MB"] <= summary["size"]["up_MB"]
 
 
+@pytest.mark.quick
 def test_gram_solver_equals_svd():
     torch.manual_seed(1)
     for shape in [(2, 9, 4), (3, 5, 12)]:  # tall and wide, batched

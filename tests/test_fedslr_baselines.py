@@ -72,6 +72,7 @@ def quad_algo(name: str, extra=()):
     return ALGORITHMS.get(name)(cfg, fed, eng, model_fn), fed
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "name,extra",
     [("feddyn", ["algo.alpha=0.1"]), ("scaffold", []), ("fedavg", ["algo.weighting=uniform"])],
@@ -89,6 +90,7 @@ def test_client_drift_on_heterogeneous_quadratics(name, extra):
         assert err < 1e-3, err
 
 
+@pytest.mark.quick
 def test_scaffold_partial_participation_control_variates():
     algo, fed = quad_algo("scaffold")
     sched = [[0, 1], [2], [1, 2], [0]]
@@ -100,6 +102,7 @@ def test_scaffold_partial_participation_control_variates():
     assert info["bytes_up"] == info["bytes_down"] == 1 * 2 * 4 * 4
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ["scaffold", "feddyn", "lg_fedavg", "fedspa"])
 def test_checkpoint_keeps_per_client_state(name):
     algo, eng, fed = make_algo(name)
@@ -113,6 +116,7 @@ def test_checkpoint_keeps_per_client_state(name):
         assert torch.allclose(getattr(algo, k).float(), getattr(other, k).float(), atol=1e-6), k
 
 
+@pytest.mark.quick
 def test_lg_fedavg_shares_only_the_head():
     algo, eng, fed = make_algo("lg_fedavg")
     H = int(algo.head_entries.sum())
@@ -128,6 +132,7 @@ def test_lg_fedavg_shares_only_the_head():
     assert not torch.equal(b0, b1)
 
 
+@pytest.mark.quick
 def test_lg_fedavg_head_is_the_uniform_mean_by_default():
     """Both the FedSLR authors' train_LGFedAvg and pliang279/LG-FedAvg average the heads
     uniformly; TinyFed's clients have 37 and 20 samples, so n_k / n would differ."""
@@ -138,6 +143,7 @@ def test_lg_fedavg_head_is_the_uniform_mean_by_default():
     assert torch.allclose(algo.head, heads.mean(0), atol=1e-7)
 
 
+@pytest.mark.quick
 def test_fedspa_masks_keep_their_density():
     algo, eng, fed = make_algo("fedspa", ["rounds=4"])
     before = algo.masks.clone()
@@ -156,6 +162,7 @@ def test_fedspa_masks_keep_their_density():
     )
 
 
+@pytest.mark.quick
 def test_fedspa_prune_grow_changes_only_the_next_mask():
     """The server averages the states as trained, each entry over exactly the clients whose
     TRAINED mask held it; prune-and-grow changes the mask for the next round only, so a
@@ -194,6 +201,7 @@ def test_fedspa_prune_grow_changes_only_the_next_mask():
     assert torch.equal(algo.w[:P][dropped_only0], up[0, :P][dropped_only0])
 
 
+@pytest.mark.slow
 def test_fedslr_paper_settings_come_with_the_preset():
     """`paper: fedslr` (the fedslr_* presets) brings FedSLR's appendix settings of single
     methods (conf/paper_algo/fedslr/); without the preset the algorithms' defaults apply."""

@@ -19,6 +19,7 @@ from fedbench.report.collect import find_runs
 from fedbench.runner import SIZE_KEYS, size_columns
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", sorted(ALGORITHMS.names()))
 def test_every_algorithm_reports_sizes(name):
     """Every registered algorithm: its model kinds' sizes, the parameters it sent (from its
@@ -41,10 +42,12 @@ def _check_sizes(name: str) -> None:
     assert cols["comm_MB"] == pytest.approx((comm["bytes_up"] + comm["bytes_down"]) / 1e6)
 
 
+@pytest.mark.quick
 def test_the_issue_algorithms_are_registered():
     assert {"fedslr", "scaffold", "feddyn", "lg_fedavg", "fedspa"} <= set(ALGORITHMS.names())
 
 
+@pytest.mark.quick
 def test_partial_models_send_part_of_the_model():
     for name, part in (("lg_fedavg", "head"), ("fedrep", "body")):
         algo, eng, fed = make_algo(name)

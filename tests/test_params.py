@@ -46,6 +46,7 @@ def yaml_keys(node, prefix: str = "") -> set[str]:
 
 
 # (a) ------------------------------------------------------------------------------------
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ALGORITHMS.names())
 def test_every_algorithm_declares_params_matching_its_yaml(name):
     params = ALGORITHMS.get(name).Params
@@ -85,6 +86,7 @@ def _needs_params(algo: str) -> None:
         pytest.xfail(f"{algo} declares no Params yet (test (a) fails for it)")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("algo,override,key", INVALID, ids=[c[1] + "-" + c[0] for c in INVALID])
 def test_invalid_hyperparameter_is_one_line(algo, override, key):
     _needs_params(algo)
@@ -93,6 +95,7 @@ def test_invalid_hyperparameter_is_one_line(algo, override, key):
     assert msg.startswith(f"fedbench: {key}") and "\n" not in msg
 
 
+@pytest.mark.quick
 def test_valid_defaults_pass():
     for algo in ("fedavg", "fedprox", "pfedme", "plgu_ghn"):
         if ALGORITHMS.get(algo).Params is not None:
@@ -108,6 +111,7 @@ def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
     return e.value.code, out.out, out.err
 
 
+@pytest.mark.quick
 def test_cli_exit_2_one_line(monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(tmp_path)
     code, out, err = run_main(monkeypatch, capsys, "algo=fedprox", "algo.mu=-1")
@@ -119,6 +123,7 @@ def test_cli_exit_2_one_line(monkeypatch, capsys, tmp_path):
     assert list(tmp_path.iterdir()) == []  # no outputs/ or multirun/ directory
 
 
+@pytest.mark.slow
 def test_cli_subprocess_exit_2_one_line(tmp_path):
     """The real command: one line on stderr, nothing on stdout, exit 2, nothing written."""
     cmd = [sys.executable, "-c", "from fedbench.cli import main; main()"]
@@ -154,6 +159,7 @@ UNKNOWN = [
 ]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("argv,start", UNKNOWN, ids=[" ".join(c[0]) for c in UNKNOWN])
 def test_unknown_key_is_one_line(argv, start):
     algo = next((a.split("=")[1] for a in argv if a.startswith("algo=")), "fedavg")

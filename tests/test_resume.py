@@ -104,6 +104,7 @@ def snapshot(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.quick
 def test_resume_differences_names_keys_outside_the_allowed_ones():
     saved = {
         "seed": 0,
@@ -200,6 +201,7 @@ def test_refused_resume_exits_2_and_leaves_the_directory_as_it_was(tmp_path):
         assert snapshot(run_dir) == before
 
 
+@pytest.mark.slow
 def test_refused_resume_through_the_api_writes_nothing(tmp_path):
     """Run(cfg, dir) (the multirun and library path) refuses before it loads data or writes."""
     if not fmnist_available():

@@ -414,6 +414,7 @@ def test_synthetic_params_and_validation():
         load_dataset("synthetic", None, num_samples=10, groups=30)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not FMNIST_SYSTEM.is_dir(), reason="dataset-fashion-mnist not installed")
 def test_real_fmnist_from_debian_package(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "FMNIST_SYSTEM_DIRS", (FMNIST_SYSTEM,))
