@@ -123,8 +123,8 @@ def test_chunks_change_nothing(tiny_fed, chunk):
         a = ref.train(w0, CLIENTS, optim=cfg, lr=cfg.lr, batch_size=8, epochs=1, round=t)
         b = eng.train(w0, CLIENTS, optim=cfg, lr=cfg.lr, batch_size=8, epochs=1, round=t)
         assert_same(a, b)
-    for k, v in ref._persist["main"].items():
-        torch.testing.assert_close(eng._persist["main"][k], v, rtol=1e-5, atol=1e-6)
+    for k, v in ref.optim_states.slots["main"].items():
+        torch.testing.assert_close(eng.optim_states.slots["main"][k], v, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.quick
@@ -167,11 +167,28 @@ def test_auto_rule(tiny_fed, caplog):
 @pytest.mark.quick
 def test_chunk_size_rule(tiny_fed):
     eng = Engine(tiny_fed, mlp(), device="cpu", memory_budget=30 / 2**30)
-    assert eng._vmap.chunk_size(40, per_client=1) == 20  # room for 30 -> 2 equal chunks
-    assert eng._vmap.chunk_size(40, per_client=100) == 1
-    eng.chunk_clients = 16
-    assert eng._vmap.chunk_size(40, per_client=100) == 14  # 3 chunks: 14, 14, 12
-    assert eng._vmap.client_bytes(OptimConfig(), batch=8, sam=False) > 0
+    mem = eng.memory
+    assert mem.chunk_size(40, per_client=1) == 20  # room for 30 -> 2 equal chunks
+    assert mem.chunk_size(40, per_client=100) == 1
+    mem.chunk_clients = 16
+    assert mem.chunk_size(40, per_client=100) == 14  # 3 chunks: 14, 14, 12
+    assert eng.chunk_clients == 16
+
+
+@pytest.mark.quick
+def test_one_memory_model_for_training_and_full_gradients(tiny_fed):
+    """Training and full gradients price a client with the same formula (`memory.py`):
+    a training step holds the gradient's rows plus the optimizer's."""
+    from fedbench.engine.memory import GRAD_ROWS, STEP_ROWS
+
+    mem = Engine(tiny_fed, mlp(), device="cpu").memory
+    P = mem.spec.n_params
+    assert mem.grad_bytes(8) == mem.client_bytes(GRAD_ROWS, 8) > 0
+    assert mem.train_bytes(OptimConfig(), batch=8, sam=False) == mem.client_bytes(
+        GRAD_ROWS + STEP_ROWS, 8
+    )
+    adam_sam = mem.train_bytes(OptimConfig(name="adam"), batch=8, sam=True)
+    assert adam_sam - mem.train_bytes(OptimConfig(), batch=8, sam=False) == 4 * P * 4
 
 
 @pytest.mark.slow

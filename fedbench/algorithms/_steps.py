@@ -7,6 +7,11 @@ that, once, on the engine's public pieces: `Engine.batches` (the same batches as
 `Engine.train` for the same round/client/salt), `Engine.load` + `Engine.grad_at_loaded`
 (training mode, as every training step) and `optim.step_`/`init_state`.
 
+Optimizer state: `engine.optim_states.get(cfg, slot, client, w)` before a client's steps and
+`engine.optim_states.keep(cfg, slot, client, state)` after them, the store `Engine.train`
+uses (fresh every round, or kept across rounds with `optim.persist_state`, per slot and
+client; checkpointed with the engine, so an algorithm lists nothing for it in `state_keys`).
+
 A state is a flat row [D] (parameters, then float buffers, `engine.spec`). `grad_at` writes
 buffers updated by the forward (BatchNorm running statistics) back into the state, so a
 state trained here evolves as it would under `Engine.train`; a perturbed evaluation
@@ -20,8 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fedbench.engine import Engine, OptimConfig, Term
-from fedbench.engine.optim import init_state
+from fedbench.engine import Engine, Term
 
 
 def grad_at(
@@ -57,29 +61,3 @@ def clip_(g: torch.Tensor, max_norm: float | None) -> torch.Tensor:
     if max_norm:
         g.mul_(torch.clamp(max_norm / (g.norm() + 1e-6), max=1.0))
     return g
-
-
-class ClientOptim:
-    """The optimizer state of hand-written loops, per (slot, client): fresh every round, or
-    kept across rounds when `persist_state` is set (as `Engine.train` does). An algorithm
-    that keeps one lists it in `state_keys`, so checkpoints carry the kept state."""
-
-    def __init__(self, cfg: OptimConfig, n_clients: int) -> None:
-        self.cfg = cfg
-        self.n_clients = n_clients
-        self._kept: dict[str, dict[str, torch.Tensor]] = {}
-
-    def state(self, slot: str, client: int, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        fresh = init_state(self.cfg, w)
-        if not self.cfg.persist_state:
-            return fresh
-        store = self._kept.setdefault(slot, {})
-        for k, v in fresh.items():
-            if k not in store:
-                store[k] = torch.zeros((self.n_clients, *v.shape), device=v.device)
-        return {k: store[k][client].clone() for k in fresh}
-
-    def keep(self, slot: str, client: int, st: dict[str, torch.Tensor]) -> None:
-        if self.cfg.persist_state:
-            for k, v in st.items():
-                self._kept[slot][k][client] = v

@@ -32,8 +32,8 @@ Uploads: the core c_i, through `Algorithm.receive` (ref = the core it downloaded
 
 RECONSTRUCTION: all cores start from the run's common initialization (the authors' code
 draws one initialization per core, PFLlib copies one); a client first sampled late mixes
-the latest cores like any other; the authors' p update shares the cores' momentum, the spec
-(and this code) uses plain steps.
+the latest cores like any other; the authors' p update shares the cores' momentum, this code
+uses plain steps.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from fedbench.algorithms._steps import ClientOptim, grad_at
+from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.algorithms.params import fraction, nonneg
 from fedbench.engine.optim import step_
@@ -74,7 +74,7 @@ class APPLE(Algorithm):
     personal_rows = "theta"
     Params = APPLEParams
     attackable = True
-    state_keys = ("cores", "p", "theta", "opt")
+    state_keys = ("cores", "p", "theta")
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
@@ -83,7 +83,6 @@ class APPLE(Algorithm):
         self.p0 = torch.full((self.N,), 1.0 / self.N, device=self.device)
         self.theta = self.cores.clone()  # personalized mixtures w_i, with the client's buffers
         self.L = int(float(self.hp.l_frac) * int(cfg.rounds))
-        self.opt = ClientOptim(self.optim, self.N)
 
     def client_update(self, i: int, cores: torch.Tensor, t: int) -> torch.Tensor:
         """Client i's round on its downloaded cores [N, D] (row i is trained in place);
@@ -92,7 +91,7 @@ class APPLE(Algorithm):
         P, eng = self.engine.n_params, self.engine
         p, core = self.p[i], cores[i, :P]  # views: updated in place
         own = self.theta[i]  # view: the client's buffers live in own[P:]
-        ost = self.opt.state("core", i, core)
+        ost = eng.optim_states.get(self.optim, "core", i, core)
         lr, eta_p = self.optim.lr_at(t), float(self.hp.eta_p) * self.optim.lr_decay**t
         reg = reg_schedule(t, self.L, self.hp.schedule) * float(self.hp.mu)
         losses = []
@@ -105,7 +104,7 @@ class APPLE(Algorithm):
             with torch.no_grad():
                 step_(self.optim, core, p[i] * g, ost, lr)
                 p -= eta_p * grad_p
-        self.opt.keep("core", i, ost)
+        eng.optim_states.keep(self.optim, "core", i, ost)
         cores[i, P:] = own[P:]  # the uploaded core carries the client's statistics
         own[:P] = p @ cores[:, :P]
         return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)

@@ -1,5 +1,5 @@
 """Ditto (Li et al., ICML 2021, "Ditto: Fair and Robust Federated Learning Through
-Personalization", Algorithm 1; authors' code litian96/ditto; specs/plgu.md).
+Personalization", Algorithm 1; authors' code litian96/ditto; docs/papers/plgu.md).
 
 Global w by FedAvg local training (E epochs of the run's optimizer from w^t, sample-weighted
 average). Personalized theta_i: `personal_epochs` epochs (default E) of the run's optimizer
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedbench.algorithms._steps import ClientOptim, grad_at
+from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, TrainedOrGlobal
 from fedbench.algorithms.params import Weighting, hp, nonneg
 from fedbench.engine import Proximal
@@ -42,7 +42,7 @@ class Ditto(TrainedOrGlobal, Algorithm):
     name = "ditto"
     Params = DittoParams
     attackable = True
-    state_keys = ("w", "theta", "seen", "opt")
+    state_keys = ("w", "theta", "seen")
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
@@ -54,7 +54,6 @@ class Ditto(TrainedOrGlobal, Algorithm):
                 f"algo.personal_epochs={self.personal_epochs} must equal "
                 f"local_epochs={cfg.local_epochs}"
             )
-        self.opt = ClientOptim(self.optim, self.N)
         self.w = engine.initial_state()
         self.init_rows()
 
@@ -63,8 +62,8 @@ class Ditto(TrainedOrGlobal, Algorithm):
         eng, P, lr = self.engine, self.engine.n_params, self.optim.lr_at(t)
         theta, w = self.theta[i].clone(), self.w.clone()
         prox = Proximal(self.w, self.lam)
-        st_p = self.opt.state("personal", i, theta[:P])
-        st_g = self.opt.state("main", i, w[:P])
+        st_p = eng.optim_states.get(self.optim, "personal", i, theta[:P])
+        st_g = eng.optim_states.get(self.optim, "main", i, w[:P])
         losses = []
         for x, y in eng.batches(i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t):
             _, g = grad_at(eng, theta, x, y, terms=[prox], rows=[prox.rows(0)])
@@ -72,8 +71,8 @@ class Ditto(TrainedOrGlobal, Algorithm):
             loss, g = grad_at(eng, w, x, y)
             losses.append(loss)
             step_(self.optim, w[:P], g, st_g, lr)
-        self.opt.keep("personal", i, st_p)
-        self.opt.keep("main", i, st_g)
+        eng.optim_states.keep(self.optim, "personal", i, st_p)
+        eng.optim_states.keep(self.optim, "main", i, st_g)
         return theta, w, torch.stack(losses).mean()
 
     def round(self, t: int, clients: np.ndarray) -> dict:

@@ -10,7 +10,7 @@ Client k starts from the global w and walks its E epochs of batches in pairs (D,
 odd last batch of the stream is unused). The server averages the clients' theta (by
 samples, `weighting`). The personalized model of every client is one SGD step of size
 alpha from the new w on one of its training batches. Defaults alpha = 0.01, beta = 0.001
-(FedSLR's appendix; specs/fedslr.md).
+(FedSLR's appendix; docs/papers/fedslr.md).
 
 Buffers: averaged (weights >= 0): the server's sample-weighted mean of the clients' states,
 running statistics included; the personalization step's forward updates them (train mode).
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedbench.algorithms._steps import ClientOptim, grad_at
+from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm
 from fedbench.algorithms.params import Weighting, nonneg, positive
 from fedbench.engine.optim import step_
@@ -52,19 +52,18 @@ class PerFedAvg(Algorithm):
     Params = PerFedAvgParams
     attackable = True
     has_global = True
-    state_keys = ("w", "theta", "opt")
+    state_keys = ("w", "theta")
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
         self.w = engine.initial_state()
         self.theta = self.w.repeat(self.N, 1)  # personalized (one-step adapted) models
-        self.opt = ClientOptim(self.optim, self.N)
 
     def meta_train(self, i: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Client i's first-order MAML steps from w; (its new state, mean outer loss)."""
         eng, P = self.engine, self.engine.n_params
         theta = self.w.clone()
-        ost = self.opt.state("outer", i, theta[:P])
+        ost = eng.optim_states.get(self.optim, "outer", i, theta[:P])
         alpha, beta = float(self.hp.alpha), float(self.hp.beta) * self.optim.lr_decay**t
         stream = eng.batches(i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t)
         losses = []
@@ -77,7 +76,7 @@ class PerFedAvg(Algorithm):
             theta[P:] = inner[P:]  # buffers as the two forwards left them
             with torch.no_grad():
                 step_(self.optim, theta[:P], g, ost, beta)
-        self.opt.keep("outer", i, ost)
+        eng.optim_states.keep(self.optim, "outer", i, ost)
         loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
         return theta, loss
 

@@ -1,5 +1,5 @@
 """PLGU, "Personalize Locally, Generalize Universally" (Qu et al., CVPR 2023, "How to
-Prevent the Poor Performance Clients for Personalized Federated Learning?"; specs/plgu.md).
+Prevent the Poor Performance Clients for Personalized Federated Learning?"; docs/papers/plgu.md).
 Three algorithms built on LWSAM (`fedbench.engine.lwsam`: layer scores, eq. 6; the
 perturbation eps_l = rho xi_l g_l / ||g||_2, eq. 5 with p = q = 2):
 
@@ -23,7 +23,7 @@ PLGU-GHN (`plgu_ghn`, the supplement's eqs. 24-25, not available): pFedHN (`pfed
 Every step of the run's optimizer (`optim`) is `optim.step_` on flat tensors; with plain
 SGD it is the paper's `- eta g`.
 
-RECONSTRUCTIONS (specs/plgu.md; each a config key):
+RECONSTRUCTIONS (docs/papers/plgu.md; each a config key):
 - what a layer is: `model.layer_unit` (op_norm default: a Conv/Linear with its norm);
 - score normalization `score_norm`: mean1 (default) | sum1; `scores: uniform` replaces
   Lambda by the identity (LWSAM = SAM; L_Per is still chosen by eq. 6);
@@ -37,7 +37,7 @@ RECONSTRUCTIONS (specs/plgu.md; each a config key):
 - PLGU-GRep: `body_steps` mini-batches (default 1: Alg. 3 line 11); `score_ref`: this_step
   (default: xi from phi_i vs the downloaded phi^t) | last_upload (vs the body this client
   uploaded last time; phi^t before its first upload); the upload is phi~_i (the poster).
-- PLGU-GHN: the whole of its update (above), as specs/plgu.md states it.
+- PLGU-GHN: the whole of its update (above), as docs/papers/plgu.md states it.
 
 Uploads: PLGU-LF's w_i, PLGU-GRep's phi~_i (FedRep's round), PLGU-GHN's theta~_i (pFedHN's
 visit), each through `receive` as a model with ref = the state the client trained from.
@@ -55,7 +55,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from fedbench.algorithms._steps import ClientOptim, grad_at
+from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, TrainedOrGlobal
 from fedbench.algorithms.fedrep import FedRep
 from fedbench.algorithms.params import Weighting, hp, nonneg
@@ -114,14 +114,13 @@ class PLGULF(TrainedOrGlobal, Algorithm):
     name = "plgu_lf"
     Params = PLGULFParams
     attackable = True
-    state_keys = ("w", "theta", "seen", "opt")
+    state_keys = ("w", "theta", "seen")
 
     def __init__(self, cfg, fed, engine, model_fn) -> None:
         super().__init__(cfg, fed, engine, model_fn)
         hp = self.hp
         self.rule = score_rule(hp)
         self.layers = LayerMap(engine.spec, engine.model.layers(), self.device)
-        self.opt = ClientOptim(self.optim, self.N)
         self.w = engine.initial_state()
         self.init_rows()
 
@@ -146,8 +145,8 @@ class PLGULF(TrainedOrGlobal, Algorithm):
         scale = lwsam_scale(normalize_scores(xi, self.rule), self.layers, keep)
         sam = SAM(float(self.hp.rho), scale)
         lr = self.optim.lr_at(t)
-        st_p = self.opt.state("personal", i, theta[:P])
-        st_u = self.opt.state("universal", i, w[:P])
+        st_p = eng.optim_states.get(self.optim, "personal", i, theta[:P])
+        st_u = eng.optim_states.get(self.optim, "universal", i, w[:P])
         losses = []
         for x, y in eng.batches(i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t):
             loss, g = grad_at(eng, theta, x, y)  # (a) g = grad F_b(theta_i)
@@ -158,8 +157,8 @@ class PLGULF(TrainedOrGlobal, Algorithm):
                 eps = sam.perturbation(grad_at(eng, w, x, y)[1], sam.scale)
             _, g = grad_at(eng, w, x, y, at=eps)  # (c) g~ = grad F_b(w_i + eps)
             step_(self.optim, w[:P], g, st_u, lr)  # w_i <- w_i - eta g~
-        self.opt.keep("personal", i, st_p)
-        self.opt.keep("universal", i, st_u)
+        eng.optim_states.keep(self.optim, "personal", i, st_p)
+        eng.optim_states.keep(self.optim, "universal", i, st_u)
         return theta, w, torch.stack(losses).mean()
 
     def round(self, t: int, clients: np.ndarray) -> dict:

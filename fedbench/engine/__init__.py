@@ -1,8 +1,42 @@
-"""Local training of many clients through one API (see DESIGN.md, "The engine")."""
+"""Local training of many clients through one API (see docs/design.md, "The engine").
 
-from fedbench.engine.core import SAM, Engine, TrainResult
+One engine interface, two equal backends:
+
+- `core.py`       `Engine`: the front the algorithms call (`train`, `full_grads`, `batches`,
+                  evaluation, hand-written steps); builds a plan, picks a backend
+                  (`Engine.backend_for`), owns the pieces below and the checkpointed state.
+- `plan.py`       `TrainPlan` / `GradPlan` (what a call asks for), `TrainResult` /
+                  `GradResult`, `SAM`, and `Backend`: `train(plan, states)` and
+                  `full_grads(plan, states)`, the interface both backends implement.
+- `sequential.py` `SequentialBackend`: client after client on one module (`flat.py`).
+- `vmap.py`       `VmapBackend`: all clients of a call in one batched computation per step.
+- `flat.py`       `FlatModule`: the module whose parameters, grads and buffers are views of
+                  flat vectors (sequential training, evaluation, hand-written steps).
+- `schedule.py`   `Schedule`: a client's batches, from (seed, round, client, salt) only.
+- `store.py`      `OptimStates`: optimizer state kept across rounds, per slot and client.
+- `memory.py`     `MemoryModel`: bytes per client and chunk sizes of the vmap backend.
+- `optim.py`, `terms.py`, `spec.py`: fused optimizers, loss terms, the flat state layout;
+  `lwsam.py` (PLGU's layer-wise SAM), `prox.py` (FedSLR's proximal operators).
+
+Modules import downwards only (tests/test_engine_imports.py): the backends get what they
+need when the engine builds them and import neither the engine nor each other.
+"""
+
+from fedbench.engine.core import Engine
 from fedbench.engine.optim import OptimConfig
+from fedbench.engine.plan import SAM, GradResult, TrainPlan, TrainResult
 from fedbench.engine.spec import ModelSpec
 from fedbench.engine.terms import Linear, Proximal, Term
 
-__all__ = ["SAM", "Engine", "Linear", "ModelSpec", "OptimConfig", "Proximal", "Term", "TrainResult"]
+__all__ = [
+    "SAM",
+    "Engine",
+    "GradResult",
+    "Linear",
+    "ModelSpec",
+    "OptimConfig",
+    "Proximal",
+    "Term",
+    "TrainPlan",
+    "TrainResult",
+]

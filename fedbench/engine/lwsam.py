@@ -1,7 +1,7 @@
 """Layer-wise SAM (LWSAM) of PLGU (Qu et al., CVPR 2023, eqs. 4-6, 10): layer scores and
 the per-parameter scale that turns SAM's perturbation into LWSAM's.
 
-A model's layers (`FedModel.layers()`, specs/plgu.md "What a layer is") partition its flat
+A model's layers (`FedModel.layers()`, docs/papers/plgu.md "What a layer is") partition its flat
 parameter vector; `LayerMap` holds that partition (optionally restricted to some layers,
 e.g. PLGU-GRep's body) so per-layer quantities are one `index_add_` away.
 
@@ -12,7 +12,7 @@ e.g. PLGU-GRep's body) so per-layer quantities are one `index_add_` away.
 - Perturbation, eq. 5 with p = q = 2: eps_l = rho * xi_l * g_l / ||g||_2, i.e. SAM's
   eps = rho g / ||g|| (Foret et al. 2021) with layer l scaled by xi_l. `lwsam_scale` expands
   xi to a [P] vector, zero outside the map's layers and wherever `keep` is False (PLGU-LF
-  perturbs only its universal layers), so `SAM(rho, scale)` of `engine.core` is LWSAM.
+  perturbs only its universal layers), so `SAM(rho, scale)` of `engine.plan` is LWSAM.
   The norm ||g|| is over whatever gradient is passed: pass the gradient restricted to the
   layers being perturbed as a whole (PLGU-GRep: the body's) where the paper's g is that.
 """
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fedbench.engine.core import SAM
+from fedbench.engine.plan import SAM
 from fedbench.engine.spec import ModelSpec
 from fedbench.errors import ConfigError
 from fedbench.models.base import Layer

@@ -1,5 +1,5 @@
 """Proximal operators on a model's flat state: the per-layer nuclear-norm prox (singular
-value thresholding) and soft-thresholding (specs/fedslr.md; FedSLR, Huang et al. 2023).
+value thresholding) and soft-thresholding (docs/papers/fedslr.md; FedSLR, Huang et al. 2023).
 
 Matrix view of a weight tensor (the authors' code, huangtiansheng/fedslr `SVD_st_update`):
 a Linear weight (out, in) is used as it is; a Conv weight (out, in, kh, kw) is permuted to

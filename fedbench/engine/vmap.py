@@ -7,7 +7,7 @@ mapping one client's loss over it (`torch.func.vmap` of `grad_and_value` of
 grouped convolution), so a round costs about as many launches as one client does.
 
 Equal to the sequential backend, by construction:
-- Batches are `Engine.schedule`'s, per client, stacked step-major into idx [S, C, B] with S
+- Batches are the `Schedule`'s, per client, stacked step-major into idx [S, C, B] with S
   the longest client's step count and B the largest batch; padding points at sample 0.
 - Per-sample weights wt [S, C, B] are 1/len on a batch's real samples and 0 on padding, so
   the weighted sum of per-sample cross-entropies is the sequential backend's batch mean.
@@ -20,146 +20,102 @@ Equal to the sequential backend, by construction:
   (vmap in_dims 0), shared ones broadcast (in_dims None). SAM's perturbation is the same
   `SAM.perturbation`, mapped per client; the second gradient is taken at W + eps.
 
-Memory: clients go through in chunks, each chunk running all of its steps before the next,
-so a chunk's size moves peak memory and nothing else (`chunk_size`).
+Full gradients (`full_grads`, FedPG's client reports): each client's whole training set,
+padded to the longest with weight 0 and each real sample weighted 1/n_c, one batched pass per
+block of samples, so a client's weighted sum is its mean loss.
 
-Not covered (the engine routes these to the sequential backend, see `Engine.backend_for`):
-models with float buffers (BatchNorm running statistics update in place in the forward),
-models with dropout (vmap cannot draw the sequential backend's random numbers) and custom
-objectives (an arbitrary callable on the module). With `data.augment`, the federation's one
-augmentation stream would be read in step order instead of client order (the same batches,
-other random crops and flips), so only an explicit `engine.backend=vmap` runs it there.
+Memory: clients go through in chunks, each chunk running all of its steps (or blocks) before
+the next, so a chunk's size moves peak memory and nothing else (`memory.MemoryModel`, the
+same estimate for training and for full gradients).
+
+Not covered (`blocker` says why; the engine routes these to the sequential backend, see
+`Engine.backend_for`): models with float buffers (BatchNorm running statistics update in
+place in the forward), models with dropout (vmap cannot draw the sequential backend's random
+numbers) and custom objectives (an arbitrary callable on the module). With `data.augment`,
+the federation's one augmentation stream would be read in step order instead of client order
+(the same batches, other random crops and flips), so only an explicit `engine.backend=vmap`
+runs it there.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from fedbench.engine.memory import MemoryModel
 from fedbench.engine.optim import OptimConfig, step_
+from fedbench.engine.plan import SAM, GradPlan, GradResult, TrainPlan, TrainResult
+from fedbench.engine.schedule import Schedule
+from fedbench.engine.spec import ModelSpec
+from fedbench.engine.store import OptimStates
 from fedbench.engine.terms import Term
 
-if TYPE_CHECKING:
-    from fedbench.engine.core import SAM, Engine
 
-# The memory estimate's constants, set so that it covers the peaks scripts/bench_engine.py
-# measures. Parameter-sized rows alive per client: W, its gradient and the per-view gradients
-# it is concatenated from, the optimizer's temporaries, the call's input and output rows.
-_PARAM_COPIES = 8
-# Saved activations, then their gradients and the backward's temporaries next to them.
-_ACT_FACTOR = 3
+def blocker(model: nn.Module, spec: ModelSpec) -> str | None:
+    """Why `model` cannot go through the vmap backend and match sequential, if so."""
+    if spec.has_buffers:
+        return "the model has float buffers (BatchNorm running statistics update in place)"
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
+        return "the model has dropout (vmap cannot draw the sequential random numbers)"
+    return None
 
 
 class VmapBackend:
     """Trains a chunk of clients at a time with one vmapped gradient per step."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._per_sample: tuple[int, int] | None = None  # see `_probe`
+    name = "vmap"
 
-    # ------------------------------------------------------------------ memory
-    def _probe(self) -> tuple[int, int]:
-        """Bytes of one sample's input and of what autograd saves for it in a step.
-
-        Measured on one and on two samples of the pool with saved-tensor hooks, so functional
-        ops inside a module's forward count as much as modules do.
-        """
-        eng = self.engine
-        # train=False: the federation's augmentation stream is not touched
-        x, y = eng.fed.batch(torch.zeros(2, dtype=torch.long, device=eng.device), train=False)
-        w = eng._flat[: eng.n_params].detach().clone().requires_grad_(True)
-
-        def saved(n: int) -> int:
-            seen: dict[tuple[int, int], int] = {}
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                logits = functional_call(eng.model, eng.spec.param_views(w), (x[:n],))
-                F.cross_entropy(logits, y[:n])
-            return sum(seen.values())
-
-        return x[0].numel() * x.element_size(), saved(2) - saved(1)
-
-    def client_bytes(self, optim: OptimConfig, batch: int, sam: bool) -> int:
-        """Estimated peak bytes one client adds to a vmapped step (an estimate, not a bound)."""
-        if self._per_sample is None:
-            self._per_sample = self._probe()
-        data, act = self._per_sample
-        n_state = {"sgd": 1 if optim.momentum else 0, "adam": 2}[optim.name]
-        vectors = _PARAM_COPIES + n_state + (2 if sam else 0)  # SAM: eps and W + eps
-        return vectors * self.engine.n_params * 4 + batch * (data + _ACT_FACTOR * act)
-
-    def chunk_size(self, n_clients: int, per_client: int) -> int:
-        """`engine.chunk_clients` if set; else as many clients as fit the memory budget.
-
-        Budget: `engine.memory_budget` GiB if set, else half of the device's free memory
-        (CUDA: free plus what PyTorch's allocator holds unused; CPU: available RAM). The
-        clients are then split into equal chunks (40 with room for 30 -> 2 x 20).
-        """
-        eng = self.engine
-        if eng.chunk_clients is not None:
-            k = eng.chunk_clients
-        else:
-            budget = eng.memory_budget * 2**30 if eng.memory_budget else free_bytes(eng.device) / 2
-            k = max(1, int(budget // max(per_client, 1)))
-        n_clients = max(n_clients, 1)
-        n_chunks = -(-n_clients // min(k, n_clients))
-        return -(-n_clients // n_chunks)
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: ModelSpec,
+        fed,
+        schedule: Schedule,
+        optim_states: OptimStates,
+        memory: MemoryModel,
+        device: torch.device,
+    ) -> None:
+        self.model = model  # called functionally (`functional_call`): its own values unused
+        self.spec = spec
+        self.fed = fed
+        self.schedule = schedule
+        self.optim_states = optim_states
+        self.memory = memory
+        self.device = device
 
     # ------------------------------------------------------------------ training
-    def train(
-        self,
-        states: torch.Tensor,
-        clients: list[int],
-        *,
-        optim: OptimConfig,
-        lr: float | torch.Tensor,
-        batch_size: int,
-        epochs: int | None,
-        steps: int | None,
-        terms: Sequence[Term],
-        trainable: torch.Tensor | None,
-        sam: SAM | None,
-        round: int,
-        salt: int,
-        slot: str,
-    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """`Engine.train`'s arguments; returns the new states [C, D], the clients' mean losses
-        [C] and their step counts (the fields of `TrainResult`)."""
-        eng = self.engine
-        C, P, dev = len(clients), eng.n_params, eng.device
-        sched = [
-            eng.schedule(c, batch_size, epochs=epochs, steps=steps, round=round, salt=salt)
-            for c in clients
-        ]
+    def train(self, plan: TrainPlan, states: torch.Tensor) -> TrainResult:
+        """New states [C, D], the clients' mean losses [C] and their step counts."""
+        if plan.objective is not None:
+            raise ValueError("a custom objective runs on the sequential backend only")
+        clients, optim, sam = plan.clients, plan.optim, plan.sam
+        C, P, dev = len(clients), self.spec.n_params, self.device
+        sched = [self.schedule.of(plan, c) for c in clients]
         B = max((idx.shape[1] for idx, _ in sched), default=1)
-        k = self.chunk_size(C, self.client_bytes(optim, B, sam is not None))
-        out = torch.empty(C, eng.n_state, device=dev)
+        k = self.memory.chunk_size(C, self.memory.train_bytes(optim, B, sam is not None))
+        out = torch.empty(C, self.spec.n_state, device=dev)
         out[:, P:] = states[:, P:]  # buffers (none on this path) pass through
         losses = torch.empty(C, device=dev)
-        mask = None if trainable is None else trainable.to(out.dtype)
         # longest first (stable): the clients still training are always a prefix of a chunk,
         # and a chunk holds clients of similar step counts
         order = sorted(range(C), key=lambda c: -len(sched[c][1]))
-        eng.model.train()
+        self.model.train()
         for lo in range(0, C, k):
             pos = torch.tensor(order[lo : lo + k], device=dev)  # positions in the call
             W = states[pos, :P]  # a copy: advanced indexing
             ids = torch.tensor([clients[c] for c in order[lo : lo + k]], device=dev)
-            ost = eng._opt_state(optim, slot, ids, W)
+            ost = self.optim_states.get(optim, plan.slot, ids, W)
             chunk = [sched[c] for c in order[lo : lo + k]]
-            losses[pos] = self._train_chunk(W, ost, chunk, optim, lr, terms, mask, sam, pos)
-            eng._save_opt_state(optim, slot, ids, ost)
+            losses[pos] = self._train_chunk(
+                W, ost, chunk, optim, plan.lr, plan.terms, plan.mask, sam, pos
+            )
+            self.optim_states.keep(optim, plan.slot, ids, ost)
             out[pos, :P] = W
-        return out, losses, [len(lens) for _, lens in sched]
+        return TrainResult(out, losses, [len(lens) for _, lens in sched])
 
     def _train_chunk(
         self,
@@ -178,7 +134,7 @@ class VmapBackend:
 
         Returns each client's mean loss over its own steps.
         """
-        eng, dev = self.engine, self.engine.device
+        dev = self.device
         idx, wt, n_steps = stack_schedules(sched, dev)
         S, C, B = idx.shape
         training = [sum(n > s for n in n_steps) for s in range(S)]  # clients left at step s
@@ -199,7 +155,7 @@ class VmapBackend:
             # views of the first k clients: the step updates W and `ost` in place
             w, st = W[:k], {name: v[:k] for name, v in ost.items()}
             ts = [v[:k] if d == 0 else v for v, d in zip(tensors, dims)]
-            x, y = eng.fed.batch(idx[s, :k].reshape(-1))
+            x, y = self.fed.batch(idx[s, :k].reshape(-1))
             x, y = x.view(k, B, *x.shape[1:]), y.view(k, B)
             g, val = grad(w, x, y, wt[s, :k], *ts)
             if sam is not None:
@@ -213,7 +169,7 @@ class VmapBackend:
 
     def _loss(self, terms: Sequence[Term]):
         """One client's loss: weighted cross-entropy of its batch plus the terms at w [P]."""
-        model, spec = self.engine.model, self.engine.spec
+        model, spec = self.model, self.spec
         sizes = [len(t.per_client) for t in terms]
 
         def loss(w, x, y, wt, *tensors):
@@ -226,6 +182,49 @@ class VmapBackend:
             return val
 
         return loss
+
+    # ------------------------------------------------------------------ full gradients
+    def full_grads(self, plan: GradPlan, states: torch.Tensor) -> GradResult:
+        """Each client's mean loss (and gradient) over its training set at row c of `states`:
+        all clients of a chunk in one batched pass per block of samples."""
+        P, dev, block = self.spec.n_params, self.device, plan.block
+        C = len(plan.clients)
+        model, spec = self.model, self.spec
+        pools = [self.fed.train_idx[c] for c in plan.clients]
+        sizes = torch.tensor([int(p.numel()) for p in pools], device=dev)
+        n_max = int(sizes.max())
+        idx = torch.zeros(C, n_max, dtype=torch.long, device=dev)
+        for c, p in enumerate(pools):
+            idx[c, : p.numel()] = p.to(dev)
+        wt = (torch.arange(n_max, device=dev)[None, :] < sizes[:, None]).float()
+        wt = wt / sizes.clamp(min=1)[:, None].float()
+
+        def loss(w, x, y, wc):
+            logits = functional_call(model, spec.param_views(w), (x,))
+            return (F.cross_entropy(logits, y, reduction="none") * wc).sum()
+
+        fn = vmap(grad_and_value(loss)) if plan.with_grad else vmap(loss)
+        k = self.memory.chunk_size(C, self.memory.grad_bytes(block))
+        losses = torch.zeros(C, device=dev)
+        grads = torch.zeros(C, P, device=dev) if plan.with_grad else None
+        model.train()
+        for lo in range(0, C, k):
+            W = states[lo : lo + k, :P]
+            kc = W.shape[0]
+            for s in range(0, n_max, block):
+                ib = idx[lo : lo + k, s : s + block]
+                b = ib.shape[1]
+                x, y = self.fed.batch(ib.reshape(-1), train=False)
+                x, y = x.view(kc, b, *x.shape[1:]), y.view(kc, b)
+                wb = wt[lo : lo + k, s : s + block]
+                if plan.with_grad:
+                    g, v = fn(W, x, y, wb)
+                    grads[lo : lo + k] += g
+                else:
+                    with torch.no_grad():
+                        v = fn(W, x, y, wb)
+                losses[lo : lo + k] += v.detach()
+        return GradResult(losses, grads, states[:, P:].clone())
 
 
 def stack_schedules(
@@ -243,11 +242,3 @@ def stack_schedules(
         lens[: len(ln), c] = torch.tensor(ln, dtype=lens.dtype)
     wt = (torch.arange(B) < lens[..., None]) / lens.clamp(min=1)[..., None]
     return idx, wt.to(device), [len(ln) for _, ln in sched]
-
-
-def free_bytes(device: torch.device) -> int:
-    """Memory a new allocation can get on `device`, in bytes."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

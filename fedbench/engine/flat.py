@@ -1,0 +1,83 @@
+"""One module for every client: its parameters, their `.grad` and its buffers are views of
+flat vectors, so loading a client's state is one copy.
+
+`FlatModule.state` [D] (parameters, then float buffers, `spec.py`'s layout) and
+`FlatModule.grad` [P] own the memory; `load(state)` copies a client's row in, a plain
+forward/backward (`grad_at_loaded`) accumulates straight into `grad`. The sequential backend
+trains and computes full gradients on it, the engine evaluates on it, and the hand-written
+loops of `fedbench/algorithms/_steps.py` step on it (`Engine.load`, `Engine.grad_at_loaded`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedbench.engine.plan import Objective
+from fedbench.engine.spec import ModelSpec
+from fedbench.engine.terms import Term
+
+
+class FlatModule:
+    def __init__(self, model: nn.Module, spec: ModelSpec, device: torch.device) -> None:
+        """Make `model`'s parameters, grads and buffers views of `state` / `grad`."""
+        self.model = model
+        self.spec = spec
+        self.state = spec.flatten(model).to(device)  # [D]
+        self.grad = torch.zeros(spec.n_params, device=device)  # [P]
+        for e in spec.params:
+            p = model.get_parameter(e.name)
+            p.data = self.state[e.start : e.stop].view(e.shape)
+            p.grad = self.grad[e.start : e.stop].view(e.shape)
+        for e in spec.buffers:
+            mod_name, _, leaf = e.name.rpartition(".")
+            mod = model.get_submodule(mod_name) if mod_name else model
+            mod._buffers[leaf] = self.state[e.start : e.stop].view(e.shape)
+
+    @property
+    def params(self) -> torch.Tensor:
+        """The parameter part [P] of `state` (a view: the module's parameters)."""
+        return self.state[: self.spec.n_params]
+
+    def load(self, state: torch.Tensor) -> None:
+        """Put a flat state ([D], or parameters only [P]) into the module."""
+        self.state[: state.shape[-1]].copy_(state)
+
+    def _terms_grad(self, w: torch.Tensor, terms: Sequence[Term], rows) -> torch.Tensor:
+        """Value of the extra terms at w; their gradient is added into `grad`."""
+        wl = w.detach().requires_grad_(True)
+        val = sum(t.value(wl, *r) for t, r in zip(terms, rows))
+        (g,) = torch.autograd.grad(val, wl)
+        self.grad.add_(g)
+        return val.detach()
+
+    def grad_at_loaded(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        terms: Sequence[Term] = (),
+        rows=(),
+        objective: Objective | None = None,
+        c: int = 0,
+    ) -> torch.Tensor:
+        """Loss of the loaded model on (x, y) (+ terms); its gradient lands in `grad`.
+
+        A training step: the module is put in training mode (BatchNorm normalizes with the
+        batch and updates its running statistics, dropout drops), whatever an evaluation
+        left. `objective(model, x, y, c)` replaces the cross-entropy (FedProto's prototype
+        loss, FedRoD's two heads ...); `c` is the client's position in the train call.
+        """
+        self.model.train()
+        self.grad.zero_()
+        if objective is None:
+            loss = F.cross_entropy(self.model(x), y)
+        else:
+            loss = objective(self.model, x, y, c)
+        loss.backward()
+        loss = loss.detach()
+        if terms:
+            loss = loss + self._terms_grad(self.params, terms, rows)
+        return loss

@@ -1,0 +1,126 @@
+"""The interface between the `Engine` and its backends: what a call asks for, what it returns.
+
+`Engine.train(...)` turns its keywords into one `TrainPlan` (frozen: the clients, the batch
+schedule's arguments, the optimizer and lr, the loss terms, the frozen-parameter mask, SAM,
+the slot of kept optimizer state) and hands it to a backend; `Engine.full_grads(...)` does
+the same with a `GradPlan`. A backend is any object with
+
+    train(plan: TrainPlan, states [C, D]) -> TrainResult
+    full_grads(plan: GradPlan, states [C, D]) -> GradResult
+
+(`Backend`, as FedJAX's `for_each_client` backends share one signature). Both of fedbench's
+(`sequential.SequentialBackend`, `vmap.VmapBackend`) are given what they need when they are
+built (the model and its `ModelSpec`, the federation's batches, the `Schedule`, the
+`OptimStates` store, the `MemoryModel`); neither imports the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from fedbench.engine.optim import OptimConfig
+from fedbench.engine.terms import Term
+
+# A replacement for the cross-entropy: objective(model, x, y, c) -> scalar loss.
+Objective = Callable[[nn.Module, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+@dataclass
+class SAM:
+    """Sharpness-aware step: eps = rho * scale * g / ||g||; update with grad at w + eps.
+
+    `scale` is None for SAM/FedSAM (Foret et al. 2021, p = 2), or per-parameter multipliers
+    ([P], or [C, P] per client in the train call's order) for LWSAM's layer scores.
+    """
+
+    rho: float
+    scale: torch.Tensor | None = None
+
+    def perturbation(self, g: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        e = g * (self.rho / (g.norm() + 1e-12))
+        return e if scale is None else e * scale
+
+
+@dataclass(frozen=True, eq=False)
+class TrainPlan:
+    """One `Engine.train` call: E epochs (or K steps) of `optim` over each client's batches.
+
+    Position c of `clients` is row c of the states, of per-client term tensors and of a
+    per-client SAM scale. `mask` is the [P] float 0/1 form of `trainable` (0: frozen).
+    """
+
+    clients: tuple[int, ...]
+    optim: OptimConfig
+    lr: float | torch.Tensor
+    batch_size: int
+    epochs: int | None = None
+    steps: int | None = None
+    terms: tuple[Term, ...] = ()
+    mask: torch.Tensor | None = None
+    sam: SAM | None = None
+    objective: Objective | None = None
+    round: int = 0  # with the engine's seed, the client and the salt: the batch schedule
+    salt: int = 0
+    slot: str = "main"  # the kept optimizer state's slot (`optim.persist_state`)
+
+    @classmethod
+    def build(
+        cls,
+        clients: Sequence[int],
+        *,
+        terms: Sequence[Term] = (),
+        trainable: torch.Tensor | None = None,
+        **kw,
+    ) -> TrainPlan:
+        """`Engine.train`'s keywords -> a plan (`trainable`, a [P] bool mask, as 0/1 floats)."""
+        mask = None if trainable is None else trainable.to(torch.get_default_dtype())
+        return cls(tuple(int(c) for c in clients), terms=tuple(terms), mask=mask, **kw)
+
+    def term_rows(self, c: int) -> list[tuple[torch.Tensor, ...]]:
+        """The terms' tensors of the client at position c."""
+        return [t.rows(c) for t in self.terms]
+
+    def sam_scale(self, c: int) -> torch.Tensor | None:
+        """SAM's per-parameter scale for the client at position c (None: plain SAM)."""
+        if self.sam is None or self.sam.scale is None:
+            return None
+        return self.sam.scale[c] if self.sam.scale.dim() == 2 else self.sam.scale
+
+
+@dataclass
+class TrainResult:
+    states: torch.Tensor  # [C, D] the clients' states after training
+    loss: torch.Tensor  # [C] mean training loss over each client's steps
+    steps: list[int]  # number of optimizer steps each client took
+
+
+@dataclass(frozen=True)
+class GradPlan:
+    """One `Engine.full_grads` call: each client's mean cross-entropy over its whole training
+    set (and its gradient), read `block` samples per client at a time, without augmentation."""
+
+    clients: tuple[int, ...]
+    with_grad: bool = True
+    block: int = 2048
+
+
+@dataclass
+class GradResult:
+    loss: torch.Tensor  # [C] mean training loss of each client at its state
+    grads: torch.Tensor | None  # [C, P] gradient of that loss (None for losses only)
+    buffers: torch.Tensor  # [C, D - P] buffers after the pass (unchanged on vmap)
+
+
+class Backend(Protocol):
+    """What the engine asks of a backend (`sequential.py`, `vmap.py`)."""
+
+    name: str
+
+    def train(self, plan: TrainPlan, states: torch.Tensor) -> TrainResult: ...
+
+    def full_grads(self, plan: GradPlan, states: torch.Tensor) -> GradResult: ...

@@ -1,0 +1,83 @@
+"""The batch schedule: which of a client's training samples each local step reads.
+
+A schedule depends only on (seed, round, client, salt) and the batch size, epochs or steps:
+not on the backend, the other clients of the call or what ran before. So both backends, and
+the hand-written loops of `fedbench/algorithms/_steps.py` (`Engine.batches`), read the same
+batches, and a resumed run reads the ones an uninterrupted run does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedbench.engine.plan import TrainPlan
+
+
+def _seed(*parts: int) -> int:
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
+
+
+class Schedule:
+    """Batches of the federation's clients: `indices` [S, B] per client, `read` them."""
+
+    def __init__(self, fed, device: torch.device, *, seed: int = 0, drop_last: bool = False):
+        self.fed = fed
+        self.device = device
+        self.seed = seed
+        self.drop_last = drop_last
+
+    def indices(
+        self,
+        client: int,
+        batch_size: int,
+        *,
+        epochs: int | None = None,
+        steps: int | None = None,
+        round: int = 0,
+        salt: int = 0,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Sample indices [S, B] (rows padded with 0) and each row's true length.
+
+        One permutation of the client's data per epoch; `steps` keeps drawing epochs until
+        that many batches exist and stops there (pFedHN's inner steps, PLGU-GRep's 1 step).
+        """
+        pool = self.fed.train_idx[client]
+        n = int(pool.numel())
+        b = min(batch_size, n)
+        per_epoch = n // b if self.drop_last else -(-n // b)
+        need = steps if steps is not None else per_epoch * int(epochs or 0)
+        if need <= 0 or n == 0:
+            return torch.zeros(0, b, dtype=torch.long, device=self.device), []
+        g = torch.Generator().manual_seed(_seed(self.seed, round, client, salt))
+        n_epochs = -(-need // per_epoch)
+        rows, lens = [], []
+        for _ in range(n_epochs):
+            perm = torch.randperm(n, generator=g)
+            for s in range(per_epoch):
+                chunk = perm[s * b : (s + 1) * b]
+                lens.append(int(chunk.numel()))
+                rows.append(F.pad(chunk, (0, b - chunk.numel())))
+        pos = torch.stack(rows[:need]).to(self.device)
+        return pool[pos], lens[:need]
+
+    def of(self, plan: TrainPlan, client: int) -> tuple[torch.Tensor, list[int]]:
+        """The schedule of `client` in a train call."""
+        return self.indices(
+            client,
+            plan.batch_size,
+            epochs=plan.epochs,
+            steps=plan.steps,
+            round=plan.round,
+            salt=plan.salt,
+        )
+
+    def read(
+        self, idx: torch.Tensor, lens: list[int]
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The mini-batches (x, y) of a schedule, in order (training reads: augmented)."""
+        for s, ln in enumerate(lens):
+            yield self.fed.batch(idx[s, :ln])

@@ -1,0 +1,111 @@
+"""The sequential backend: the clients of a call one after another on one module.
+
+The module is a `FlatModule` (its parameters, grads and buffers are views of flat vectors),
+so loading a client is one copy, a step is a plain forward/backward (autograd accumulates
+straight into the flat gradient) plus one fused optimizer update (`optim.step_`), and no
+per-client module or optimizer object exists. Data are tensors on the training device,
+batches are gathered by index (`Schedule`), and nothing in the step loop synchronises with
+the host (losses accumulate on the device).
+
+It runs everything `Engine.train` accepts: float buffers (BatchNorm running statistics
+update in the forward, as in any PyTorch training step), dropout, custom objectives, data
+augmentation in client order. `full_grads` reads each client's whole training set in blocks
+without augmentation, the module in training mode (BatchNorm on the block's statistics; the
+buffers after the pass come back as `GradResult.buffers`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fedbench.engine.flat import FlatModule
+from fedbench.engine.optim import step_
+from fedbench.engine.plan import GradPlan, GradResult, TrainPlan, TrainResult
+from fedbench.engine.schedule import Schedule
+from fedbench.engine.store import OptimStates
+
+
+class SequentialBackend:
+    name = "sequential"
+
+    def __init__(
+        self,
+        module: FlatModule,
+        fed,
+        schedule: Schedule,
+        optim_states: OptimStates,
+        device: torch.device,
+    ) -> None:
+        self.module = module
+        self.fed = fed
+        self.schedule = schedule
+        self.optim_states = optim_states
+        self.device = device
+
+    def train(self, plan: TrainPlan, states: torch.Tensor) -> TrainResult:
+        """Train each client's state (row c of `states`, client `plan.clients[c]`)."""
+        mod, clients = self.module, plan.clients
+        out = torch.empty(len(clients), mod.spec.n_state, device=self.device)
+        losses = torch.zeros(len(clients), device=self.device)
+        n_steps: list[int] = []
+        optim, mask, sam = plan.optim, plan.mask, plan.sam
+        w, g = mod.params, mod.grad
+        mod.model.train()
+        for c, client in enumerate(clients):
+            mod.load(states[c])
+            ost = self.optim_states.get(optim, plan.slot, client, w)
+            rows = plan.term_rows(c)
+            scale = plan.sam_scale(c)
+            total = torch.zeros((), device=self.device)
+            n = 0
+            for x, y in self.schedule.read(*self.schedule.of(plan, client)):
+                n += 1
+                total += mod.grad_at_loaded(x, y, plan.terms, rows, plan.objective, c)
+                if sam is not None:
+                    e = sam.perturbation(g, scale)
+                    if mask is not None:
+                        e = e * mask
+                    with torch.no_grad():
+                        w.add_(e)
+                    mod.grad_at_loaded(x, y, plan.terms, rows, plan.objective, c)
+                    with torch.no_grad():
+                        w.sub_(e)
+                with torch.no_grad():
+                    step_(optim, w, g, ost, plan.lr, mask=mask)
+            self.optim_states.keep(optim, plan.slot, client, ost)
+            out[c] = mod.state
+            n_steps.append(n)
+            losses[c] = total / max(n, 1)
+        return TrainResult(out, losses, n_steps)
+
+    def full_grads(self, plan: GradPlan, states: torch.Tensor) -> GradResult:
+        """Each client's mean loss (and gradient) over its training set at row c of `states`."""
+        mod = self.module
+        P, dev, block = mod.spec.n_params, self.device, plan.block
+        C = len(plan.clients)
+        losses = torch.zeros(C, device=dev)
+        grads = torch.zeros(C, P, device=dev) if plan.with_grad else None
+        bufs = states[:, P:].clone()
+        model = mod.model
+        model.train()
+        for c, client in enumerate(plan.clients):
+            mod.load(states[c])
+            pool = self.fed.train_idx[client]
+            n = int(pool.numel())
+            if n == 0:
+                continue
+            mod.grad.zero_()
+            for s in range(0, n, block):
+                x, y = self.fed.batch(pool[s : s + block], train=False)
+                if plan.with_grad:
+                    loss = F.cross_entropy(model(x), y, reduction="sum") / n
+                    loss.backward()  # accumulates into mod.grad (the module's .grad views)
+                else:
+                    with torch.no_grad():
+                        loss = F.cross_entropy(model(x), y, reduction="sum") / n
+                losses[c] += loss.detach()
+            if plan.with_grad:
+                grads[c] = mod.grad
+            bufs[c] = mod.state[P:]
+        return GradResult(losses, grads, bufs)

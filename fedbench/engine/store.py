@@ -1,0 +1,58 @@
+"""The optimizer state kept across rounds (`optim.persist_state`): one store per engine.
+
+Rows of momentum / Adam moments per (slot, client), read before a client's local steps and
+written back after them, by both backends (`Engine.train`, `slot=`) and by the hand-written
+loops of `fedbench/algorithms/_steps.py` (`engine.optim_states.get/keep`, e.g. Ditto's
+"personal" and "main", APPLE's "core"). A slot names one model a client trains (a client
+training two models in a round keeps two states). Without `persist_state` every call starts
+from a fresh (zero) state and nothing is kept. Checkpointed through `Engine.state_dict`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fedbench.engine.optim import OptimConfig, init_state
+
+
+class OptimStates:
+    """Kept optimizer state: `slots[slot][name]` is [N, ...], one row per client."""
+
+    def __init__(self, n_clients: int) -> None:
+        self.n_clients = n_clients
+        self.slots: dict[str, dict[str, torch.Tensor]] = {}
+
+    def get(
+        self, cfg: OptimConfig, slot: str, clients: int | torch.Tensor, w: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """The state to step `w` with: `w` is [P] for one client (`clients` an int) or [C, P]
+        for an index tensor of clients. Fresh unless `cfg.persist_state`, else a copy of the
+        kept rows (zeros for a client's first visit); give it back with `keep`."""
+        fresh = init_state(cfg, w)
+        if not cfg.persist_state:
+            return fresh
+        store = self.slots.setdefault(slot, {})
+        for k, v in fresh.items():
+            if k not in store:
+                store[k] = torch.zeros((self.n_clients,) + v.shape[-1:], device=v.device)
+        return {k: store[k][clients].clone() for k in fresh}
+
+    def keep(
+        self,
+        cfg: OptimConfig,
+        slot: str,
+        clients: int | torch.Tensor,
+        state: dict[str, torch.Tensor],
+    ) -> None:
+        """Store the state a client (or clients) ended its steps with (`cfg.persist_state`)."""
+        if cfg.persist_state:
+            for k, v in state.items():
+                self.slots[slot][k][clients] = v
+
+    def state_dict(self) -> dict:
+        return {"persist": self.slots}
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        self.slots = {
+            slot: {k: v.to(device) for k, v in d.items()} for slot, d in state["persist"].items()
+        }
