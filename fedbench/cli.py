@@ -431,12 +431,27 @@ def _make_task(plan: Plan):
             ".hydra/overrides.yaml": OmegaConf.to_yaml(hc.overrides.task),
         }
         started = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _terminated)  # a launcher's job never runs main()
         try:
             run = Run(cfg, out, progress=sys.stderr.isatty())
             started = True
             summary = run.run(files)
         except Interrupted as e:
-            print(f"fedbench: {e}", file=sys.stderr)
+            if not multirun:
+                print(f"fedbench: {e}", file=sys.stderr)
+                sys.exit(128 + e.signum)
+            sweep = Path(hc.sweep.dir)
+            name = signal.Signals(e.signum).name
+            line = (
+                f"{name}: stopped after round {e.next_round}"
+                + (", checkpoint saved" if e.saved else "")
+                + f"; continue the sweep: the same command with resume=true hydra.sweep.dir={sweep}"
+            )
+            print(f"fedbench: {line}", file=sys.stderr)
+            _note_failed(sweep, out, line)
+            if os.environ.get("SUBMITIT_EXECUTOR"):
+                return None  # a SLURM job that ends cleanly: the sweep lists it as stopped
             sys.exit(128 + e.signum)
         except KeyboardInterrupt:
             print("fedbench: interrupted before training started (nothing to resume)",
@@ -457,7 +472,10 @@ def _make_task(plan: Plan):
                 _remove_created(out, plan.created)
             sys.exit(EXIT_BAD_INPUT)
         except Exception as e:  # noqa: BLE001 (a bug: one line, the traceback in a file)
-            line = _internal_error(e)
+            if type(e).__name__ == "UncompletedJobError":  # submitit gave up on the job
+                line = f"fedbench: the job stopped uncompleted ({_one_line(e)[:200]})"
+            else:
+                line = _internal_error(e)
             if multirun:
                 log.error("run %s failed: %s", out, line)
                 if not started:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -96,7 +97,7 @@ class Interrupted(FedbenchError):
     round. The CLI prints the message and exits with 128 + the signal's number."""
 
     def __init__(self, signum: int, next_round: int, saved: bool, out: Path) -> None:
-        self.signum = signum
+        self.signum, self.next_round, self.saved = signum, next_round, saved
         name = signal.Signals(signum).name
         if saved:
             msg = (
@@ -135,7 +136,12 @@ def _graceful(out: Path, progress: dict) -> Iterator[_Stop]:
             progress["next_round"] + 1,
         )
 
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    signals = [signal.SIGTERM, signal.SIGINT]
+    if "SUBMITIT_EXECUTOR" in os.environ:
+        # submitit's SLURM jobs get SIGUSR2 before their time limit (and on preemption);
+        # submitit would requeue them mid-round without a checkpoint: save one instead.
+        signals.append(signal.SIGUSR2)
+    old = {s: signal.signal(s, handler) for s in signals}
     try:
         yield stop
     finally:

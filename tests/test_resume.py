@@ -134,6 +134,7 @@ def test_resume_differences_names_keys_outside_the_allowed_ones():
         "eval.every",
         "eval.batch_size",
         "checkpoint",
+        "log",
         "objective",
         "device",
         "engine",
