@@ -416,3 +416,25 @@ def test_optuna_study_tunes_the_learning_rate(tmp_path):
     assert len(trials) == 3
     assert res["best_value"] == max(trials.values())
     assert trials[res["best_params"]["optim.lr"]] == res["best_value"]
+
+
+@pytest.mark.slow
+@needs_fmnist
+def test_joblib_launcher_runs_the_sweep_in_parallel_processes(tmp_path):
+    """Hydra's joblib launcher (the joblib_local preset): two jobs in two worker processes,
+    each its own run directory, and a failed job still listed by the sweep."""
+    from fedbench.cli import plugin_installed
+
+    if not plugin_installed("hydra_plugins.hydra_joblib_launcher"):
+        pytest.skip("pip install 'fedbench[joblib]'")
+    sweep = tmp_path / "sweep"
+    r = fedbench("-m", "hydra/launcher=joblib_local", "hydra.launcher.n_jobs=2",
+                 "algo=fedavg,local", *SMALL, f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    algos = sorted(json.loads(p.read_text())["algo"] for p in sweep.glob("*/summary.json"))
+    assert algos == ["fedavg", "local"]
+    assert not list(sweep.glob("*/.fedbench.lock"))  # each worker released its directory
+    r = fedbench("-m", "hydra/launcher=joblib_local", "split.classes_per_client=2,12", *SMALL,
+                 f"hydra.sweep.dir={tmp_path / 'bad'}", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if ln.startswith("fedbench: job ")]) == 1

@@ -1,4 +1,4 @@
-"""FedPG / S-FedPG (fedbench/algorithms/fedpg.py, _qp.py, engine/grads.py): the QP, the
+"""FedPG / S-FedPG (fedbench/algorithms/fedpg.py, _qp.py, engine.full_grads): the QP, the
 fairness gradient, the rescaling, r_i, the line search, the full-gradient engine piece, the
 fallback, the communication count, and learning on real FMNIST."""
 

@@ -36,7 +36,7 @@ def results(summary: dict) -> dict:
     [
         ("fedavg", []),
         ("local", []),
-        # hand-written loops whose optimizer state is kept across rounds (ClientOptim)
+        # hand-written loops whose optimizer state is kept across rounds (engine.optim_states)
         ("apple", ["optim.persist_state=true", "optim.momentum=0.9"]),
         ("perfedavg", ["optim.persist_state=true", "optim.momentum=0.9"]),
         ("ditto", ["optim.persist_state=true", "optim.momentum=0.9"]),
