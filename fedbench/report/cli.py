@@ -52,6 +52,7 @@ examples:
   fedbench-report sweep/ --metric personal.L.avg,personal.L.bottom5,personal.L.top5
   fedbench-report sweep/ --filter split.alpha=0.1 --cols participation --plots figs/
   fedbench-report sweep/ --preset diversifed_table1 --compact
+  fedbench-report sweep/ --html results.html   # one self-contained page
   fedbench-report sweep/ --keys            # which config keys vary (to pick rows/cols)
   fedbench-report lr_sweep/ --best-of optim.lr --reference fedavg
   fedbench-report multirun/fedpg/table1_* --preset fedpg_table1 --best-of optim.lr
@@ -174,6 +175,13 @@ def parser() -> argparse.ArgumentParser:
         help="also write the table and PNG figures (accuracy over rounds, per-client "
         "distribution, L/S/G bars, and each distinct split's label distribution "
         "partition_<run>.png) into DIR",
+    )
+    p.add_argument(
+        "--html",
+        metavar="FILE",
+        help="also write one self-contained HTML page into FILE: the runs (finished, "
+        "failed with their error), the table as printed, the keys that vary, and the "
+        "figures of --plots embedded",
     )
     p.add_argument(
         "--digits",
@@ -312,6 +320,24 @@ def check_output_dir(text: str) -> Path:
     return out
 
 
+def check_output_file(text: str, flag: str = "--html") -> Path:
+    """An output FILE, checked before anything is read or written: not a directory, and
+    its folder is one or can be made one (as --plots DIR)."""
+    out = Path(text)
+    if out.is_dir():
+        raise ReportError(f"{flag} {out}: is a directory (give a file name)")
+    if not out.name:
+        raise ReportError(f"{flag} {text!r}: give a file name")
+    folder = out.parent
+    if folder.exists() and not folder.is_dir():
+        raise ReportError(f"{flag} {out}: {folder} is not a directory")
+    try:
+        check_output_dir(str(folder))
+    except ReportError as e:
+        raise ReportError(str(e).replace(f"--plots {folder}", f"{flag} {out}", 1)) from None
+    return out
+
+
 def _silence_stdout() -> None:
     """After a failed write to stdout, send what is still buffered to /dev/null: Python's
     own flush at exit would otherwise fail again and print its own error."""
@@ -376,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.list_presets:
         lines = [
             f"{name:20s} {p.title} (select {p.select})\n" for name, p in presets.PRESETS.items()
@@ -387,6 +414,7 @@ def _main(argv: list[str] | None) -> int:
     if args.preset:
         presets.get(args.preset)  # an unknown name is an error before any reading
     out = check_output_dir(args.plots) if args.plots else None
+    html_out = check_output_file(args.html) if args.html else None
     unlisted: list[str] = []  # folders that could not be searched
     runs = find_runs(args.paths, warn=unlisted.append)
     if not runs:
@@ -425,9 +453,38 @@ def _main(argv: list[str] | None) -> int:
         except OSError as e:
             raise ReportError(f"--plots {out}: cannot create it ({e.strerror or e})") from None
         write_output(out / f"table.{EXTENSION[args.format]}", text.encode())
-        for path in write_plots(table, out, warn=_warn):
+        plots = write_plots(table, out, warn=_warn)
+        for path in plots:
             _say(f"wrote {path}")
+    if html_out is not None:
+        write_html(html_out, table, runs, args, plots if out is not None else None)
+        _say(f"wrote {html_out}")
     return 0
+
+
+def write_html(
+    path: Path, table: Table, runs: list[RunDir], args: argparse.Namespace, plots=None
+) -> None:
+    """The results page (fedbench.report.html) into `path`, written whole or not at all;
+    the figures are those --plots wrote, else drawn into a temporary folder."""
+    import shlex
+    import tempfile
+
+    from fedbench.report.html import page
+    from fedbench.report.plots import write_plots
+
+    command = shlex.join(["fedbench-report", *(args.argv or [])])
+    with tempfile.TemporaryDirectory(prefix="fedbench-report-") as tmp:
+        if plots is None:
+            plots = write_plots(table, tmp, warn=_warn)
+        text = page(table, runs, args.paths, plots, command=command)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ReportError(
+            f"--html {path}: cannot create {path.parent} ({e.strerror or e})"
+        ) from None
+    write_output(path, text.encode("utf-8"))
 
 
 if __name__ == "__main__":
