@@ -335,9 +335,9 @@ def _plan_dirs(plan: Plan, cfg, overrides: list[str]) -> None:
     from fedbench.rundir import RunDirError, check_writable, holds_run
     from fedbench.runner import check_resume
 
-    resume = bool(OmegaConf.select(cfg, "resume"))
+    resume = bool(OmegaConf.select(cfg, "resume"))  # true or auto
     key = "hydra.sweep.dir" if plan.multirun else "hydra.run.dir"
-    if resume and not _given(overrides, key):
+    if OmegaConf.select(cfg, "resume") is True and not _given(overrides, key):
         raise BadInput(
             f"fedbench: resume=true needs the run's directory: add {key}=<the directory "
             "it wrote> to the command"
@@ -430,6 +430,13 @@ def _make_task(plan: Plan):
             ".hydra/hydra.yaml": OmegaConf.to_yaml(HydraConfig.instance().cfg),
             ".hydra/overrides.yaml": OmegaConf.to_yaml(hc.overrides.task),
         }
+        if cfg.resume == "auto":
+            from fedbench.runner import finished_run
+
+            done = finished_run(cfg, out)
+            if done is not None:  # resume=auto: a finished run is skipped, nothing written
+                print(f"fedbench: {out} already finished (round {done['rounds']}): skipped")
+                return objective(done, str(cfg.objective.metric), str(cfg.objective.at))
         started = False
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _terminated)  # a launcher's job never runs main()

@@ -127,7 +127,7 @@ class RunParams:
     log: LogParams
     objective: ObjectiveParams
     checkpoint: CheckpointParams
-    resume: bool
+    resume: bool | Literal["auto"]
 
 
 # ---------------------------------------------------------------------------- data options

@@ -12,6 +12,7 @@ way, save a checkpoint and raise `Interrupted`; a second one stops at once.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -275,6 +276,21 @@ def check_resume(cfg: DictConfig, out: str | Path) -> None:
             f"resume=true: rounds={cfg.rounds} but {path} has {done} rounds done; "
             f"rounds must be >= {done}"
         )
+
+
+def finished_run(cfg: DictConfig, out: str | Path) -> dict | None:
+    """The summary of the run in `out` if it finished `cfg.rounds` rounds with this config
+    (up to RESUME_MAY_CHANGE, compared with its .hydra/config.yaml); else None. Reads two
+    small files: resume=auto skips a finished cell without loading any data."""
+    out = Path(out)
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+        saved = _plain(OmegaConf.load(out / ".hydra" / "config.yaml"))
+    except Exception:  # noqa: BLE001 (missing or unreadable: not a finished run)
+        return None
+    if summary.get("rounds") != int(cfg.rounds) or resume_differences(saved, _plain(cfg)):
+        return None
+    return summary
 
 
 def _refuse_differences(saved: dict, cfg: DictConfig, source: Path) -> None:

@@ -465,3 +465,23 @@ def test_a_sweep_rerun_into_its_directory_refuses_every_job_and_exits_1(tmp_path
     failed = [ln for ln in r.stderr.splitlines() if ln.startswith("fedbench: job ")]
     assert len(failed) == 2 and all("holds another run" in ln for ln in failed), r.stderr
     assert {p.name: snapshot(p) for p in runs} == before
+
+
+@pytest.mark.slow
+@needs_fmnist
+def test_resume_auto_skips_a_finished_run_and_starts_an_empty_one(tmp_path):
+    """resume=auto (table scripts, requeued jobs): an empty directory starts, a finished run
+    of the same config is skipped without writing anything, a longer one extends it."""
+    run = tmp_path / "run"
+    args = [*TINY, "rounds=2", "eval.every=1", "checkpoint.every=1", "resume=auto"]
+    first = fedbench(*args, f"hydra.run.dir={run}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    before = snapshot(run)
+    again = fedbench(*args, f"hydra.run.dir={run}", cwd=tmp_path)
+    assert again.returncode == 0 and "already finished (round 2): skipped" in again.stdout
+    assert snapshot(run) == before
+    longer = fedbench(*args, "rounds=3", f"hydra.run.dir={run}", cwd=tmp_path)
+    assert longer.returncode == 0, longer.stderr
+    assert json.loads((run / "summary.json").read_text())["final"]["round"] == 3
+    other = fedbench(*args, "optim.lr=0.2", f"hydra.run.dir={run}", cwd=tmp_path)
+    assert "optim.lr" in one_line(other)  # another config is still refused
