@@ -163,6 +163,12 @@ class MlflowSink:
         self.run_id = None
 
     def start(self, config: dict[str, Any], run_dir: Path, resume: bool) -> None:
+        import os
+
+        # MLflow retries an unreachable server for minutes by default: a run should learn in
+        # seconds that its tracking server is down (the user's own settings win).
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=self.uri)
