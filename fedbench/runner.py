@@ -358,16 +358,14 @@ class Run:
             chunk_clients=None if ecfg.get("chunk_clients") is None else int(ecfg.chunk_clients),
             memory_budget=None if ecfg.get("memory_budget") is None else float(ecfg.memory_budget),
         )
-        self.algo = algo_cls(cfg, self.fed, self.engine, self.model_fn)
         # malicious clients (fedbench/attack.py): they act in Algorithm.receive only
-        self.attack = Attack.from_cfg(cfg, n)
-        if self.attack is not None:
-            if not algo_cls.attackable:
-                raise ConfigError(
-                    f"attack.kind={cfg.attack.kind}: algo={cfg.algo.name} does not route its "
-                    "uploads through Algorithm.receive, so the attack cannot reach it"
-                )
-            self.algo.attack = self.attack
+        self.attack = Attack.from_cfg(cfg, n)  # seeds its own generators, not torch's
+        self.algo = algo_cls(cfg, self.fed, self.engine, self.model_fn, attack=self.attack)
+        if self.attack is not None and not algo_cls.attackable:
+            raise ConfigError(
+                f"attack.kind={cfg.attack.kind}: algo={cfg.algo.name} does not route its "
+                "uploads through Algorithm.receive, so the attack cannot reach it"
+            )
         self.honest = None if self.attack is None else self.attack.honest
         self._warned_collapse = False  # one warning per run when an attacked run diverges
         self._ckpt_logged = False  # the checkpoint's size is logged once

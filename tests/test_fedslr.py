@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import make_algo, run_small
+from conftest import compose, make_algo, run_small
 from fedbench.algorithms.fedslr import FedSLR
 from fedbench.engine.prox import (
     factorized_params,
@@ -146,7 +146,7 @@ class PerClientFedSLR(FedSLR):
 def test_memory_efficient_server_equals_per_client_form():
     extra = ["algo.rank_penalty=0.03", "algo.sparse_penalty=0.01"]
     algo, eng, fed = make_algo("fedslr", extra)
-    cfg = algo.cfg
+    cfg = compose(["algo=fedslr", "batch_size=8", "optim.lr=0.1", *extra])  # as make_algo
     ref = PerClientFedSLR(cfg, fed, eng, algo.model_fn)
     zs = []
     for form in (algo, ref):

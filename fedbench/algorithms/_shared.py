@@ -157,8 +157,8 @@ def make_engine(algo, model: nn.Module, fed=None) -> Engine:
 def train_on(algo, engine: Engine, states: torch.Tensor, clients, t: int, **kw):
     """`Algorithm.local_train` (the run's epochs, batch size, optimizer, lr at round t) on
     another engine."""
-    kw.setdefault("epochs", None if "steps" in kw else algo.cfg.local_epochs)
-    kw.setdefault("batch_size", algo.cfg.batch_size)
+    kw.setdefault("epochs", None if "steps" in kw else algo.run.local_epochs)
+    kw.setdefault("batch_size", algo.run.batch_size)
     kw.setdefault("lr", algo.optim.lr_at(t))
     return engine.train(states, clients, optim=algo.optim, round=t, **kw)
 

@@ -92,11 +92,11 @@ class APFL(WithTrainer, Algorithm):
     attackable = True
     state_keys = ("w", "rows", "seen")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         base = model_fn()
         engine.to_module(engine.initial_state(), base)
-        self.trainer = make_engine(self, APFLModel(base, float(self.hp.alpha)))
+        self.trainer = make_engine(self, APFLModel(base, self.hp.alpha))
         spec, dev = self.trainer.spec, self.device
         self.wcols = base_columns(spec, engine.spec, "w.", dev)
         self.vcols = base_columns(spec, engine.spec, "v.", dev)
@@ -113,7 +113,7 @@ class APFL(WithTrainer, Algorithm):
         idx = torch.as_tensor(clients, device=self.device)
         start = self.rows[idx].clone()
         start[:, self.wcols] = self.w
-        loss = partial(apfl_loss, adaptive=bool(self.hp.adaptive))
+        loss = partial(apfl_loss, adaptive=self.hp.adaptive)
         res = train_on(
             self, self.trainer, start, clients, t, objective=loss, trainable=self.trainable
         )

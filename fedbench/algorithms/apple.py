@@ -76,13 +76,13 @@ class APPLE(Algorithm):
     attackable = True
     state_keys = ("cores", "p", "theta")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         self.cores = engine.initial_state().repeat(self.N, 1)  # c_j as the server holds them
         self.p = torch.full((self.N, self.N), 1.0 / self.N, device=self.device)
         self.p0 = torch.full((self.N,), 1.0 / self.N, device=self.device)
         self.theta = self.cores.clone()  # personalized mixtures w_i, with the client's buffers
-        self.L = int(float(self.hp.l_frac) * int(cfg.rounds))
+        self.L = int(self.hp.l_frac * self.run.rounds)
 
     def client_update(self, i: int, cores: torch.Tensor, t: int) -> torch.Tensor:
         """Client i's round on its downloaded cores [N, D] (row i is trained in place);
@@ -92,10 +92,10 @@ class APPLE(Algorithm):
         p, core = self.p[i], cores[i, :P]  # views: updated in place
         own = self.theta[i]  # view: the client's buffers live in own[P:]
         ost = eng.optim_states.get(self.optim, "core", i, core)
-        lr, eta_p = self.optim.lr_at(t), float(self.hp.eta_p) * self.optim.lr_decay**t
-        reg = reg_schedule(t, self.L, self.hp.schedule) * float(self.hp.mu)
+        lr, eta_p = self.optim.lr_at(t), self.hp.eta_p * self.optim.lr_decay**t
+        reg = reg_schedule(t, self.L, self.hp.schedule) * self.hp.mu
         losses = []
-        for x, y in eng.batches(i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t):
+        for x, y in eng.batches(i, self.run.batch_size, epochs=self.run.local_epochs, round=t):
             state = torch.cat([p @ cores[:, :P], own[P:]])
             loss, g = grad_at(eng, state, x, y)  # updates state's running statistics
             own[P:] = state[P:]

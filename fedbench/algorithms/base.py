@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
-from fedbench.algorithms.params import check_params
+from fedbench.algorithms.params import typed_params
 from fedbench.engine import Engine, OptimConfig, TrainResult
 from fedbench.errors import ConfigError
 from fedbench.paths import CONF_DIR
 from fedbench.registry import Registry
+
+if TYPE_CHECKING:
+    from fedbench.attack import Attack
 
 CONF_ALGO = CONF_DIR / "algo"
 
@@ -46,6 +50,28 @@ ALGORITHMS = AlgorithmRegistry("algorithm")
 FLOAT_BYTES = 4
 
 
+@dataclass(frozen=True)
+class RunSettings:
+    """The run-level settings an algorithm reads, typed, built once from the config
+    (`from_cfg`); an algorithm reads these and its `hp`, nothing else of the config."""
+
+    local_epochs: int  # local epochs E per round (`local_epochs`)
+    batch_size: int  # local mini-batch size B (`batch_size`)
+    rounds: int  # communication rounds T (`rounds`)
+    seed: int  # the run's seed (`seed`)
+    optimizer: OptimConfig  # the run's local optimizer (`optim`)
+
+    @classmethod
+    def from_cfg(cls, cfg) -> RunSettings:
+        return cls(
+            local_epochs=int(cfg.local_epochs),
+            batch_size=int(cfg.batch_size),
+            rounds=int(cfg.rounds),
+            seed=int(cfg.seed),
+            optimizer=OptimConfig.from_cfg(cfg.optim),
+        )
+
+
 class Algorithm:
     """Base class: holds the config, the federation and the engine; subclasses keep their
     models as flat state rows ([D] or [N, D], see `engine.spec`).
@@ -56,12 +82,17 @@ class Algorithm:
     nearest-prototype rule) is named in `extra_kinds` and scored by `extra_correct`.
 
     `Params` is the dataclass of the algorithm's hyperparameters (`params.py`): the keys of
-    its YAML with their types and ranges, checked before the run starts.
+    its YAML with their types and ranges, checked before the run starts; `self.hp` is an
+    instance of it (a float field is a float even where the YAML wrote `1`). The run-level
+    settings an algorithm uses are `self.run` (`RunSettings`); no algorithm reads the config
+    itself after `Algorithm.__init__`.
 
     Uploads: every tensor a client sends the server passes through `receive` where the
     server gets it; that is the one place where malicious clients (`attack.*`) act. An
     algorithm that routes its uploads through `receive` sets `attackable = True`; a run with
-    an attack on any other algorithm stops with one line.
+    an attack on any other algorithm stops with one line. The run's attack is the
+    constructor's `attack` (the runner passes it; a subclass's `__init__` passes its `**kw`
+    on to `super().__init__`).
     """
 
     name: ClassVar[str] = ""
@@ -73,23 +104,27 @@ class Algorithm:
     attackable: ClassVar[bool] = False
     personal_rows: ClassVar[str | None] = None  # a stored [N, D] attribute of deployed states
 
-    def __init__(self, cfg, fed, engine: Engine, model_fn) -> None:
-        check_params(cfg.algo, self.Params, self.name)  # every way of building one checks
-        self.cfg = cfg
-        self.hp = cfg.algo
+    def __init__(self, cfg, fed, engine: Engine, model_fn, *, attack: Attack | None = None) -> None:
+        # every way of building one checks the hyperparameters
+        self.hp = typed_params(cfg.algo, self.Params, self.name)
+        self.run = RunSettings.from_cfg(cfg)
         self.fed = fed
         self.engine = engine
         self.model_fn = model_fn
-        self.optim = OptimConfig.from_cfg(cfg.optim)
         self.device = engine.device
         self.N = fed.num_clients
-        self.attack = None  # set by the runner when attack.kind != none (fedbench.attack)
+        self.attack = attack  # the run's malicious clients, None without (fedbench.attack)
+
+    @property
+    def optim(self) -> OptimConfig:
+        """The run's local optimizer (`self.run.optimizer`)."""
+        return self.run.optimizer
 
     # ------------------------------------------------------------------ training helpers
     def local_train(self, states: torch.Tensor, clients, t: int, **kw: Any) -> TrainResult:
         """The engine with the run's defaults (epochs, batch size, optimizer, lr at round t)."""
-        kw.setdefault("epochs", None if "steps" in kw else self.cfg.local_epochs)
-        kw.setdefault("batch_size", self.cfg.batch_size)
+        kw.setdefault("epochs", None if "steps" in kw else self.run.local_epochs)
+        kw.setdefault("batch_size", self.run.batch_size)
         optim = kw.pop("optim", self.optim)
         kw.setdefault("lr", optim.lr_at(t))
         return self.engine.train(states, clients, optim=optim, round=t, **kw)

@@ -44,15 +44,15 @@ class Ditto(TrainedOrGlobal, Algorithm):
     attackable = True
     state_keys = ("w", "theta", "seen")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
-        self.lam = float(self.hp.lam)
-        self.personal_epochs = int(self.hp.personal_epochs or cfg.local_epochs)
-        if self.hp.interleave and self.personal_epochs != int(cfg.local_epochs):
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
+        self.lam = self.hp.lam
+        self.personal_epochs = self.hp.personal_epochs or self.run.local_epochs
+        if self.hp.interleave and self.personal_epochs != self.run.local_epochs:
             raise ConfigError(
                 f"ditto.interleave=true takes one personal and one global step per batch: "
                 f"algo.personal_epochs={self.personal_epochs} must equal "
-                f"local_epochs={cfg.local_epochs}"
+                f"local_epochs={self.run.local_epochs}"
             )
         self.w = engine.initial_state()
         self.init_rows()
@@ -65,7 +65,7 @@ class Ditto(TrainedOrGlobal, Algorithm):
         st_p = eng.optim_states.get(self.optim, "personal", i, theta[:P])
         st_g = eng.optim_states.get(self.optim, "main", i, w[:P])
         losses = []
-        for x, y in eng.batches(i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t):
+        for x, y in eng.batches(i, self.run.batch_size, epochs=self.run.local_epochs, round=t):
             _, g = grad_at(eng, theta, x, y, terms=[prox], rows=[prox.rows(0)])
             step_(self.optim, theta[:P], g, st_p, lr)
             loss, g = grad_at(eng, w, x, y)

@@ -99,8 +99,8 @@ class DiversiFed(Algorithm):
     attackable = True
     state_keys = ("w",)
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         if self.N < 2:
             raise ConfigError(f"diversifed needs at least 2 clients; clients={self.N}")
         self.w = engine.initial_state().repeat(self.N, 1)  # latest uploaded w_i, [N, D]

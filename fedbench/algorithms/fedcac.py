@@ -96,8 +96,8 @@ class FedCAC(Algorithm):
     state_keys = ("theta", "w", "trained")
     extra_kinds = ("trained",)
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         self.w = engine.initial_state()
         self.theta = self.w.repeat(self.N, 1)
         self.trained = self.theta.clone()  # each client's model after its last local training
@@ -110,7 +110,7 @@ class FedCAC(Algorithm):
         self.trained[idx] = res.states  # the client's own model after training
         after = self.receive(res.states, clients, ref=before)  # what the server gets
         masks = critical_masks(before[:, :P], after[:, :P], self.engine.spec, self.hp.tau)
-        collab = collaborators(overlap(masks), t, float(self.hp.beta)).to(after.dtype)
+        collab = collaborators(overlap(masks), t, self.hp.beta).to(after.dtype)
         customized = (collab / collab.sum(1, keepdim=True)) @ after
         self.w = self.weights(clients) @ after
         new = after.clone()

@@ -44,9 +44,9 @@ class FedDyn(Algorithm):
     attackable = True
     state_keys = ("theta", "lam", "h")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
-        self.alpha = float(self.hp.alpha)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
+        self.alpha = self.hp.alpha
         P = engine.n_params
         self.theta = engine.initial_state()  # [D] the server model
         self.lam = torch.zeros(self.N, P, device=self.device)  # [N, P] clients' g_i / lambda_i

@@ -57,10 +57,10 @@ class FedFomo(WithTrainer, Algorithm):
     attackable = True
     state_keys = ("theta", "P", "online")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
-        frac = float(self.hp.val_frac)
-        rng = np.random.default_rng([int(cfg.seed), 31])
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
+        frac = self.hp.val_frac
+        rng = np.random.default_rng([self.run.seed, 31])
         self.val_idx, train_idx = [], []
         for pool in fed.train_idx:
             perm = torch.as_tensor(rng.permutation(len(pool)), device=pool.device)
@@ -76,10 +76,10 @@ class FedFomo(WithTrainer, Algorithm):
     def candidates(self, i: int, t: int) -> torch.Tensor:
         """The online clients (not i) that client i receives: top M by affinity."""
         cand = self.online[self.online != i]
-        order = np.random.default_rng([int(self.cfg.seed), t, i, 37]).permutation(len(cand))
+        order = np.random.default_rng([self.run.seed, t, i, 37]).permutation(len(cand))
         cand = cand[torch.as_tensor(order, device=self.device)]
         cand = cand[torch.argsort(self.P[i, cand], descending=True, stable=True)]
-        return cand if self.hp.m is None else cand[: int(self.hp.m)]
+        return cand if self.hp.m is None else cand[: self.hp.m]
 
     # ------------------------------------------------------------------ client
     @torch.no_grad()

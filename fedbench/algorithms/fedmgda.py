@@ -53,8 +53,8 @@ class FedMGDA(TrainedOrGlobal, Algorithm):
     attackable = True
     state_keys = ("w", "theta", "seen", "fallbacks")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         self.w = engine.initial_state()
         self.init_rows()
         self.fallbacks = 0
@@ -75,7 +75,7 @@ class FedMGDA(TrainedOrGlobal, Algorithm):
             gh = delta[keep] / norms[keep, None]
             lam0 = lam0_all[keep].double().cpu().numpy()
             lam0 = lam0 / lam0.sum()
-            lam = box_weights(gh, lam0, float(self.hp.eps))
+            lam = box_weights(gh, lam0, self.hp.eps)
             if lam is None:
                 self.fallbacks += 1
                 if self.fallbacks == 1:
@@ -96,4 +96,4 @@ class FedMGDA(TrainedOrGlobal, Algorithm):
     def server_lr(self, t: int) -> float:
         """The server's step on the normalized direction: `server_lr`, or optim.lr_at(t)."""
         lr = self.hp.server_lr
-        return self.optim.lr_at(t) if lr is None else float(lr)
+        return self.optim.lr_at(t) if lr is None else lr

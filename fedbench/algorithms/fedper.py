@@ -49,10 +49,10 @@ class FedPer(Algorithm):
     attackable = True
     state_keys = ("base", "personal")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         layers = engine.model.layers()
-        k = int(self.hp.personal_layers)
+        k = self.hp.personal_layers
         if k >= len(layers):
             raise ConfigError(
                 f"algo.personal_layers={k}: the model has {len(layers)} layers; at most "

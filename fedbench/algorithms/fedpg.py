@@ -322,8 +322,8 @@ class FedPG(TrainedOrGlobal, Algorithm):
     state_keys = ("w", "theta", "seen", "hist", "last", "prev", "counts")
     profiler: NoProfiler = NoProfiler()
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         self.w = engine.initial_state()
         self.init_rows()
         P = engine.n_params
@@ -516,13 +516,13 @@ class SFedPG(FedPG):
         step, trials = line_search(
             loss_at,
             self.optim.lr_at(t),
-            s=int(self.hp.s),
+            s=self.hp.s,
             sigma=sigma,
             shrink_ub=shrink,
             L0=L_on,
             gd=gd,
             dF=dF,
-            beta=float(self.hp.beta),
+            beta=self.hp.beta,
         )
         self.counts[2] += trials
         return step, trials

@@ -72,8 +72,8 @@ class FedProto(Algorithm):
     state_keys = ("theta", "protos", "has_proto")
     extra_kinds = ("head",)
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         if not hasattr(engine.model, "features"):
             raise ConfigError("fedproto needs a model with a body/head split (models.FedModel)")
         self.K = fed.num_classes

@@ -44,8 +44,8 @@ class FedRep(Algorithm):
     attackable = True
     state_keys = ("phi", "heads")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         spec = engine.spec
         self.head_mask = spec.mask(engine.model.head_params(), device=self.device)  # [P]
         self.body_mask = ~self.head_mask
@@ -63,13 +63,13 @@ class FedRep(Algorithm):
     def head_phase(self, states: torch.Tensor, clients, t: int) -> TrainResult:
         """The head update (PLGU eq. 9): `head_epochs` epochs on the head, body frozen."""
         return self.local_train(
-            states, clients, t, epochs=int(self.hp.head_epochs), trainable=self.head_mask, salt=1
+            states, clients, t, epochs=self.hp.head_epochs, trainable=self.head_mask, salt=1
         )
 
     def body_phase(self, states: torch.Tensor, clients, t: int) -> TrainResult:
         """The body update: `body_epochs` epochs on the body, head frozen."""
         return self.local_train(
-            states, clients, t, epochs=int(self.hp.body_epochs), trainable=self.body_mask, salt=2
+            states, clients, t, epochs=self.hp.body_epochs, trainable=self.body_mask, salt=2
         )
 
     # ------------------------------------------------------------------ the contract

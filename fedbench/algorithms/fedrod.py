@@ -79,8 +79,8 @@ class FedRoD(WithTrainer, Algorithm):
     has_global = True
     state_keys = ("w", "theta")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         base = model_fn()
         if not (hasattr(base, "body") and hasattr(base, "head")):
             raise ConfigError("fedrod needs a model with a body/head split (models.FedModel)")

@@ -83,10 +83,10 @@ class FedSLR(Algorithm):
     attackable = True
     state_keys = ("theta", "lam", "h", "p", "p_nnz", "ranks")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
-        self.alpha = float(self.hp.alpha)
-        self.tau = float(self.hp.rank_penalty) / self.alpha
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
+        self.alpha = self.hp.alpha
+        self.tau = self.hp.rank_penalty / self.alpha
         P = engine.n_params
         self.theta = engine.initial_state()  # [D] the GKR
         self.lam = torch.zeros(self.N, P, device=self.device)  # [N, P] the clients' lambda_i
@@ -122,13 +122,13 @@ class FedSLR(Algorithm):
         """Client i's p by proximal SGD on f_i(base + p), base frozen; the mean loss."""
         eng, P = self.engine, self.engine.n_params
         lr = self.optim.lr_at(t)
-        wd = float(self.hp.fusion_weight_decay)
-        thr = lr * float(self.hp.sparse_penalty)
+        wd = self.hp.fusion_weight_decay
+        thr = lr * self.hp.sparse_penalty
         p = self.p[i].clone()
         state = base.clone()
         losses = []
         for x, y in eng.batches(
-            i, self.cfg.batch_size, epochs=int(self.hp.fusion_epochs), round=t, salt=1
+            i, self.run.batch_size, epochs=self.hp.fusion_epochs, round=t, salt=1
         ):
             state[:P] = base[:P] + p
             loss, g = grad_at(eng, state, x, y)
@@ -156,7 +156,7 @@ class FedSLR(Algorithm):
         z = self.server_average(x)
         if self.tau > 0:
             self.theta, self.ranks = nuclear_prox(
-                z, self.engine.spec, self.tau, solver=str(self.hp.prox_solver)
+                z, self.engine.spec, self.tau, solver=self.hp.prox_solver
             )
         else:
             self.theta = z

@@ -49,14 +49,14 @@ class FedSpa(Algorithm):
     attackable = True
     state_keys = ("w", "masks")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         spec = engine.spec
         self.w = engine.initial_state()  # [D]
         self.layers = [e for e in spec.params if len(e.shape) >= 2 or not self.hp.dense_1d]
-        g = torch.Generator().manual_seed(int(cfg.seed) + 11)
+        g = torch.Generator().manual_seed(self.run.seed + 11)
         masks = torch.ones(self.N, spec.n_params, dtype=torch.bool)
-        dens = float(self.hp.density)
+        dens = self.hp.density
         for e in self.layers:
             n = e.stop - e.start
             k = max(1, round(dens * n))
@@ -75,10 +75,10 @@ class FedSpa(Algorithm):
     def prune_grow(self, i: int, state: torch.Tensor, t: int) -> None:
         """Client i's mask update after training, in place on `masks[i]` only (`state`, the
         trained model, is read, not changed)."""
-        rate = float(self.hp.prune_rate) * (1 + math.cos(math.pi * t / int(self.cfg.rounds))) / 2
+        rate = self.hp.prune_rate * (1 + math.cos(math.pi * t / self.run.rounds)) / 2
         if rate <= 0:
             return
-        x, y = next(self.engine.batches(i, self.cfg.batch_size, steps=1, round=t, salt=3))
+        x, y = next(self.engine.batches(i, self.run.batch_size, steps=1, round=t, salt=3))
         _, g = grad_at(self.engine, state.clone(), x, y)
         m = self.masks[i]
         for e in self.layers:

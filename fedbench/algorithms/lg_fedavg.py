@@ -32,8 +32,8 @@ class LGFedAvg(Algorithm):
     attackable = True
     state_keys = ("bodies", "head")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         spec = engine.spec
         head_mask = spec.mask(engine.model.head_params(), device=self.device)  # [P]
         self.head_entries = state_entries(head_mask, spec.n_state)  # [D]

@@ -18,8 +18,8 @@ class Local(Algorithm):
     Params = NoParams
     state_keys = ("theta",)
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         self.theta = engine.initial_state().repeat(self.N, 1)
 
     def round(self, t: int, clients: np.ndarray) -> dict:

@@ -146,15 +146,58 @@ def check_node(node: dict, params: type, prefix: str, owner: str, source: str) -
                 raise ConfigError(f"{key}={value!r}{each} must be {sym} {bound}")
 
 
-def check_params(algo_cfg: DictConfig | dict, params: type | None, algo: str) -> None:
-    """Raise ConfigError (one line) unless `algo_cfg` has exactly the keys of `params`, each of
-    its type and in its range. Interpolations (`${local_epochs}`) are resolved first."""
-    if params is None:  # not declared yet: tests/test_params.py fails for such an algorithm
-        return
+def _typed(value: Any, tp: Any) -> Any:
+    """A checked plain value as field type `tp` holds it: a nested dataclass built, an int
+    given for a float field (`mu: 1`) as a float, a list as a list; all else unchanged."""
+    origin = typing.get_origin(tp)
+    if is_dataclass(tp) and isinstance(value, dict):
+        return build_params(value, tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if isinstance(value, int) and not isinstance(value, bool) and int not in args:
+            return float(value) if float in args else value
+        for a in args:  # a nested dataclass or a list inside an optional
+            if (is_dataclass(a) and isinstance(value, dict)) or (
+                typing.get_origin(a) is list and isinstance(value, list | tuple)
+            ):
+                return _typed(value, a)
+        return value
+    if origin is list:
+        (elem,) = typing.get_args(tp)
+        return [_typed(v, elem) for v in value]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def build_params(node: dict, params: type) -> Any:
+    """The dataclass `params` from the checked plain dict `node` (see `check_node`), each
+    value cast per its field's annotation (`_typed`)."""
+    hints = typing.get_type_hints(params)
+    return params(**{f.name: _typed(node[f.name], hints[f.name]) for f in fields(params)})
+
+
+def plain_params(algo_cfg: DictConfig | dict) -> dict:
+    """The algorithm's config node as a plain dict, interpolations resolved, without `name`."""
     node = (
         OmegaConf.to_container(algo_cfg, resolve=True)
         if isinstance(algo_cfg, DictConfig)
         else dict(algo_cfg)
     )
     node.pop("name", None)  # the group option's own name
+    return node
+
+
+def typed_params(algo_cfg: DictConfig | dict, params: type | None, algo: str) -> Any:
+    """`check_params`, then the checked node as an instance of `params` (None: no Params)."""
+    check_params(algo_cfg, params, algo)
+    return None if params is None else build_params(plain_params(algo_cfg), params)
+
+
+def check_params(algo_cfg: DictConfig | dict, params: type | None, algo: str) -> None:
+    """Raise ConfigError (one line) unless `algo_cfg` has exactly the keys of `params`, each of
+    its type and in its range. Interpolations (`${local_epochs}`) are resolved first."""
+    if params is None:  # not declared yet: tests/test_params.py fails for such an algorithm
+        return
+    node = plain_params(algo_cfg)
     check_node(node, params, "algo", f"algo={algo}", f"conf/algo/{algo}.yaml")

@@ -54,8 +54,8 @@ class PerFedAvg(Algorithm):
     has_global = True
     state_keys = ("w", "theta")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         self.w = engine.initial_state()
         self.theta = self.w.repeat(self.N, 1)  # personalized (one-step adapted) models
 
@@ -64,8 +64,8 @@ class PerFedAvg(Algorithm):
         eng, P = self.engine, self.engine.n_params
         theta = self.w.clone()
         ost = eng.optim_states.get(self.optim, "outer", i, theta[:P])
-        alpha, beta = float(self.hp.alpha), float(self.hp.beta) * self.optim.lr_decay**t
-        stream = eng.batches(i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t)
+        alpha, beta = self.hp.alpha, self.hp.beta * self.optim.lr_decay**t
+        stream = eng.batches(i, self.run.batch_size, epochs=self.run.local_epochs, round=t)
         losses = []
         for (x1, y1), (x2, y2) in zip(stream, stream):  # consecutive pairs (D, D')
             _, g = grad_at(eng, theta, x1, y1)
@@ -85,9 +85,9 @@ class PerFedAvg(Algorithm):
         eng, P = self.engine, self.engine.n_params
         out = self.w.repeat(self.N, 1)
         for i in range(self.N):
-            for x, y in eng.batches(i, self.cfg.batch_size, steps=1, round=t, salt=PERSONAL_SALT):
+            for x, y in eng.batches(i, self.run.batch_size, steps=1, round=t, salt=PERSONAL_SALT):
                 _, g = grad_at(eng, out[i], x, y)  # updates out[i]'s running statistics
-                out[i, :P] -= float(self.hp.alpha) * g
+                out[i, :P] -= self.hp.alpha * g
         return out
 
     def round(self, t: int, clients: np.ndarray) -> dict:

@@ -89,14 +89,14 @@ class PFedHN(Algorithm):
     attackable = True
     state_keys = ("phi", "phi_buf", "heads", "shared")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         hn = self.hp.hypernet
         if hn.spectral_norm:
             raise ConfigError("hypernet.spectral_norm=true is not implemented; use false")
         spec, model, dev = engine.spec, engine.model, self.device
         P, D = spec.n_params, spec.n_state
-        self.targets = select_targets(model, hn.generate, int(hn.k))
+        self.targets = select_targets(model, hn.generate, hn.k)
         self.gen_mask = spec.mask(self.targets.generated, device=dev)  # [P]
         own = torch.zeros(D, dtype=torch.bool, device=dev)
         own[:P] = spec.mask(self.targets.personal, device=dev)
@@ -104,26 +104,26 @@ class PFedHN(Algorithm):
         self.shared_entries = torch.ones(D, dtype=torch.bool, device=dev)
         self.shared_entries[:P] = ~(self.gen_mask | own[:P])  # [D]: FedAvg'd (and buffers)
 
-        embed_dim = int(hn.embed_dim or 1 + self.N // 4)
-        hidden, n_hidden = int(hn.hidden), int(hn.n_hidden)
+        embed_dim = hn.embed_dim or 1 + self.N // 4
+        hidden, n_hidden = hn.hidden, hn.n_hidden
         shapes = [spec.index[n].shape for n in self.targets.generated]
         size = hypernet_size(self.N, embed_dim, hidden, n_hidden, [s.numel() for s in shapes])
-        if size > float(hn.max_params):
+        if size > hn.max_params:
             raise ConfigError(self._too_big(size, hn, embed_dim))
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(cfg.seed))
+            torch.manual_seed(self.run.seed)
             self.hnet = HyperNetwork(self.N, shapes, embed_dim, hidden, n_hidden).to(dev)
         self.hspec = ModelSpec(self.hnet)
         self.phi = self.hspec.flatten(self.hnet).to(dev)  # [H]: embeddings v_i, trunk, heads
         self.embed_entries = self.hspec.mask(["embeddings.weight"], device=dev)
         self.hn_optim = OptimConfig(
             name="sgd",
-            lr=float(hn.lr),
-            momentum=float(hn.momentum),
-            weight_decay=float(hn.weight_decay),
+            lr=hn.lr,
+            momentum=hn.momentum,
+            weight_decay=hn.weight_decay,
         )
-        embed_lr = float(hn.embed_lr if hn.embed_lr is not None else hn.lr)
-        self.hn_lr = torch.where(self.embed_entries, embed_lr, float(hn.lr)).to(dev)
+        embed_lr = hn.embed_lr if hn.embed_lr is not None else hn.lr
+        self.hn_lr = torch.where(self.embed_entries, embed_lr, hn.lr).to(dev)
         self.phi_buf = torch.zeros_like(self.phi)  # the hypernetwork optimizer's momentum
 
         init = engine.initial_state()
@@ -134,9 +134,9 @@ class PFedHN(Algorithm):
             lr = 5e-2 if hn.generate == "body" else 5e-3
         self.inner_optim = OptimConfig(
             name="sgd",
-            lr=float(lr),
-            momentum=float(self.hp.inner_momentum),
-            weight_decay=float(self.hp.inner_wd),
+            lr=lr,
+            momentum=self.hp.inner_momentum,
+            weight_decay=self.hp.inner_wd,
         )
 
     def _too_big(self, size: int, hn, embed_dim: int) -> str:
@@ -145,7 +145,7 @@ class PFedHN(Algorithm):
         for gen, k in (("body", 1), ("last_k", 1), ("last_k", 2)):
             names = select_targets(model, gen, k).generated
             numels = [spec.index[p].shape.numel() for p in names]
-            n = hypernet_size(self.N, embed_dim, int(hn.hidden), int(hn.n_hidden), numels)
+            n = hypernet_size(self.N, embed_dim, hn.hidden, hn.n_hidden, numels)
             options.append(
                 f"generate={gen}" + (f" k={k}" if gen == "last_k" else "") + f": {_millions(n)}"
             )
@@ -195,9 +195,9 @@ class PFedHN(Algorithm):
         s = s0.clone()
         st = init_state(self.inner_optim, s[:P])
         epochs = self.hp.inner_epochs
-        sched = {"epochs": int(epochs)} if epochs else {"steps": int(self.hp.inner_steps)}
+        sched = {"epochs": epochs} if epochs else {"steps": self.hp.inner_steps}
         losses = []
-        for x, y in self.engine.batches(i, self.cfg.batch_size, round=t, **sched):
+        for x, y in self.engine.batches(i, self.run.batch_size, round=t, **sched):
             loss, g = grad_at(self.engine, s, x, y)
             losses.append(loss)
             clip_(g, self.hp.inner_clip)

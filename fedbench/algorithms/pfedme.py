@@ -53,8 +53,8 @@ class PFedMe(Algorithm):
     attackable = True
     state_keys = ("w", "theta", "local", "seen")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         self.w = engine.initial_state()
         self.theta = self.w.repeat(self.N, 1)  # personalized models theta_i
         self.local = self.w.repeat(self.N, 1)  # local models w_i
@@ -63,17 +63,16 @@ class PFedMe(Algorithm):
     def client(self, i: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(theta_i, w_i, mean inner loss) of client i in round t."""
         eng, P = self.engine, self.engine.n_params
-        lam, lr_p, eta = float(self.hp.lam), float(self.hp.personal_lr), self.optim.lr_at(t)
+        lam, lr_p, eta = self.hp.lam, self.hp.personal_lr, self.optim.lr_at(t)
         w = self.w.clone()
         theta = w.clone()
         losses = []
-        R = self.hp.local_rounds  # None: the schedule's local_epochs passes instead
-        steps = None if R is None else int(R)
+        steps = self.hp.local_rounds  # None: the schedule's local_epochs passes instead
         batches = eng.batches(
-            i, self.cfg.batch_size, epochs=self.cfg.local_epochs, steps=steps, round=t
+            i, self.run.batch_size, epochs=self.run.local_epochs, steps=steps, round=t
         )
         for x, y in batches:
-            for _ in range(int(self.hp.inner_steps)):
+            for _ in range(self.hp.inner_steps):
                 loss, g = grad_at(eng, theta, x, y)
                 losses.append(loss)
                 g.add_(theta[:P] - w[:P], alpha=lam)
@@ -88,7 +87,7 @@ class PFedMe(Algorithm):
         self.theta[idx] = torch.stack(thetas)
         self.local[idx] = torch.stack(ws)
         self.seen[idx] = True
-        beta = float(self.hp.beta)
+        beta = self.hp.beta
         up = self.receive(self.local[idx], clients, ref=self.w)
         avg = self.weights(clients, "samples") @ up
         w, P = self.w.clone(), self.engine.n_params

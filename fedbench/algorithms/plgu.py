@@ -116,8 +116,8 @@ class PLGULF(TrainedOrGlobal, Algorithm):
     attackable = True
     state_keys = ("w", "theta", "seen")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         hp = self.hp
         self.rule = score_rule(hp)
         self.layers = LayerMap(engine.spec, engine.model.layers(), self.device)
@@ -126,7 +126,7 @@ class PLGULF(TrainedOrGlobal, Algorithm):
 
     def personal_layers(self, xi: torch.Tensor) -> torch.Tensor:
         """Alg. 2 line 7: [L] bool, True on the layers with the largest scores (L_Per)."""
-        L, D = self.layers.n, int(self.hp.personal_layers)
+        L, D = self.layers.n, self.hp.personal_layers
         n_per = min(D, L) if self.hp.d_counts == "personal" else max(L - D, 0)
         order = torch.sort(xi, descending=True, stable=True).indices
         per = torch.zeros(L, dtype=torch.bool, device=xi.device)
@@ -143,12 +143,12 @@ class PLGULF(TrainedOrGlobal, Algorithm):
         theta[:P] = torch.where(per, theta[:P], w[:P])  # Alg. 2 line 8
         keep = ~per if self.hp.perturb == "universal" else None
         scale = lwsam_scale(normalize_scores(xi, self.rule), self.layers, keep)
-        sam = SAM(float(self.hp.rho), scale)
+        sam = SAM(self.hp.rho, scale)
         lr = self.optim.lr_at(t)
         st_p = eng.optim_states.get(self.optim, "personal", i, theta[:P])
         st_u = eng.optim_states.get(self.optim, "universal", i, w[:P])
         losses = []
-        for x, y in eng.batches(i, self.cfg.batch_size, epochs=self.cfg.local_epochs, round=t):
+        for x, y in eng.batches(i, self.run.batch_size, epochs=self.run.local_epochs, round=t):
             loss, g = grad_at(eng, theta, x, y)  # (a) g = grad F_b(theta_i)
             losses.append(loss)
             eps = sam.perturbation(g, sam.scale)  # (b) eps from the same g
@@ -176,8 +176,8 @@ class PLGUGRep(FedRep):
     Params = PLGUGRepParams
     state_keys = ("phi", "heads", "uploaded")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         self.rule = score_rule(self.hp)
         names = set(engine.model.body_params())
         body = [layer for layer in engine.model.layers() if set(layer.params) <= names]
@@ -196,15 +196,15 @@ class PLGUGRep(FedRep):
     def body_phase(self, states: torch.Tensor, clients, t: int) -> TrainResult:
         """Eqs. 10-13, `body_steps` times, each on one mini-batch; head frozen."""
         eng, body = self.engine, self.body_mask
-        rho, lr = float(self.hp.rho), self.optim.lr_at(t)
+        rho, lr = self.hp.rho, self.optim.lr_at(t)
         out, losses = states.clone(), []
         for c, i in enumerate(int(i) for i in clients):
             s = out[c]
             ref = states[c]
             if self.uploaded is not None and not self.uploaded[i].isnan().any():
                 ref = self.uploaded[i]
-            steps = int(self.hp.body_steps)
-            for x, y in eng.batches(i, self.cfg.batch_size, steps=steps, round=t, salt=2):
+            steps = self.hp.body_steps
+            for x, y in eng.batches(i, self.run.batch_size, steps=steps, round=t, salt=2):
                 loss, g = grad_at(eng, s, x, y)  # eq. 11: phi_i = phi - eta g
                 losses.append(loss)
                 self.body_step(s, g, lr)
@@ -216,7 +216,7 @@ class PLGUGRep(FedRep):
             if self.uploaded is not None:
                 self.uploaded[i] = s
         loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
-        return TrainResult(out, loss.expand(len(out)), [int(self.hp.body_steps)] * len(out))
+        return TrainResult(out, loss.expand(len(out)), [self.hp.body_steps] * len(out))
 
 
 @ALGORITHMS.register("plgu_ghn")
@@ -224,8 +224,8 @@ class PLGUGHN(PFedHN):
     name = "plgu_ghn"
     Params = PLGUGHNParams
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         self.rule = score_rule(self.hp)
         spec, gen = engine.spec, set(self.targets.generated)
         layers = [layer for layer in engine.model.layers() if set(layer.params) <= gen]
@@ -253,7 +253,7 @@ class PLGUGHN(PFedHN):
         g = self.vjp(i, delta)
         emb = self.hspec.index["embeddings.weight"]
         g[emb.start : emb.stop] = 0  # g_phi: the embeddings v_i are not perturbed
-        eps = SAM(float(self.hp.rho)).perturbation(g, None)  # rho g_phi / ||g_phi||
+        eps = SAM(self.hp.rho).perturbation(g, None)  # rho g_phi / ||g_phi||
         for e, lam in zip(self.hspec.params, self.hn_scale(xi).tolist()):
             eps[e.start : e.stop] *= lam  # Lambda, one tensor at a time
         return self.vjp(i, delta, self.phi + eps)

@@ -34,4 +34,4 @@ class FedSAM(FedAvg):
 
     def local_train(self, states, clients, t, **kw):
         """FedAvg's local training with the SAM step (`Engine.train(sam=...)`)."""
-        return super().local_train(states, clients, t, sam=SAM(float(self.hp.rho)), **kw)
+        return super().local_train(states, clients, t, sam=SAM(self.hp.rho), **kw)

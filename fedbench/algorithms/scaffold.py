@@ -46,8 +46,8 @@ class Scaffold(Algorithm):
     attackable = True
     state_keys = ("x", "c", "c_i")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         if self.optim.name != "sgd":
             raise ConfigError(
                 f"scaffold: option II control variates (x - y) / (K lr) assume SGD steps; "
@@ -70,7 +70,7 @@ class Scaffold(Algorithm):
         y = self.receive(res.states, clients, ref=self.x)
         dc = self.receive(ci_new - ci, clients, kind="other")
         new = y.mean(0)  # buffers: the clients' mean
-        new[:P] = self.x[:P] + float(self.hp.global_lr) * (y[:, :P] - self.x[:P]).mean(0)
+        new[:P] = self.x[:P] + self.hp.global_lr * (y[:, :P] - self.x[:P]).mean(0)
         self.x = new
         self.c = self.c + (len(clients) / self.N) * dc.mean(0)
         D, C = self.engine.n_state, len(clients)

@@ -69,8 +69,8 @@ class SplitGP(WithTrainer, Algorithm):
     attackable = True
     state_keys = ("g", "rows", "seen")
 
-    def __init__(self, cfg, fed, engine, model_fn) -> None:
-        super().__init__(cfg, fed, engine, model_fn)
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
         base = model_fn()
         if not (hasattr(base, "body") and hasattr(base, "head")):
             raise ConfigError("splitgp needs a model with a body/head split (models.FedModel)")
@@ -90,7 +90,7 @@ class SplitGP(WithTrainer, Algorithm):
 
     def round(self, t: int, clients: np.ndarray) -> dict:
         idx = torch.as_tensor(clients, device=self.device)
-        gamma = float(self.hp.gamma)
+        gamma = self.hp.gamma
         start = self.rows[idx].clone()
         sb = start[:, self.cols]
         sb[:, self.head] = self.g[self.head]  # the current server part
