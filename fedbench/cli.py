@@ -123,25 +123,6 @@ def _one_line(text: str) -> str:
     return " ".join(line.strip() for line in str(text).strip().splitlines() if line.strip())
 
 
-def _first_overrides(overrides: list[str], multirun: bool) -> list[str] | None:
-    """The overrides of a single run: in a multirun each sweep's first value (the first job
-    stands for the sweep); None where a sweep cannot be expanded here (glob, interval)."""
-    if not multirun:
-        return overrides
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    out = []
-    try:
-        for o in OverridesParser.create().parse_overrides(overrides):
-            if o.is_sweep_override():
-                out.append(f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}")
-            else:
-                out.append(o.input_line)
-    except Exception:  # noqa: BLE001 (Hydra reports what it cannot parse itself)
-        return None
-    return out
-
-
 def _unknown_key_message(
     err: Exception, overrides: list[str], user_dirs: tuple[str, ...] = ()
 ) -> str | None:
@@ -505,8 +486,6 @@ FAILED_DIR = ".fedbench-failed"
 
 
 def _note_failed(sweep: Path, out: Path, message: str) -> None:
-    import secrets
-
     from fedbench.io import atomic_write_text
 
     line = f"{out.name}\t{message.removeprefix('fedbench: ')}\n"
