@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -257,11 +257,23 @@ OPTIONAL = {"model": {"layer_unit": Literal["op_norm", "module"]}}
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
 
-def plain(cfg: DictConfig | dict) -> dict:
-    """The config as plain resolved containers."""
+def plain(cfg: DictConfig | dict | None) -> dict:
+    """The config as plain resolved containers ({} for None)."""
+    if cfg is None:
+        return {}
     if isinstance(cfg, DictConfig):
         return OmegaConf.to_container(cfg, resolve=True)
     return dict(cfg)
+
+
+def flat_items(node: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: leaf value} of a plain nested dict (lists are leaves)."""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        out.update(flat_items(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
 
 
 def check_config(cfg: DictConfig | dict) -> None:

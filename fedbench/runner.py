@@ -34,7 +34,7 @@ import fedbench
 from fedbench.algorithms import ALGORITHMS
 from fedbench.algorithms.base import FLOAT_BYTES
 from fedbench.attack import Attack
-from fedbench.config import check_config
+from fedbench.config import check_config, flat_items, plain
 from fedbench.data.federation import Federation
 from fedbench.data.sources import load_dataset
 from fedbench.data.splits import eval_sets, make_partition
@@ -80,12 +80,6 @@ def clients_per_round(participation: float | int, n: int) -> int:
     if p != int(p) or p > n:
         raise ConfigError(f"participation={participation}: a fraction in (0, 1] or a count <= {n}")
     return int(p)
-
-
-def validate(cfg: DictConfig) -> None:
-    """Every key of the config, its type and range (fedbench/config.py): one clear line
-    instead of a traceback or a run with a nonsensical value."""
-    check_config(cfg)
 
 
 # A client test set smaller than this gives accuracies in steps of more than 10 points: the
@@ -193,19 +187,9 @@ RESUME_MAY_CHANGE = (
 )
 
 
-def _flat_items(node, prefix: str = "") -> dict:
-    """{dotted key: leaf value} of a plain nested dict (lists are leaves)."""
-    if not isinstance(node, dict):
-        return {prefix: node}
-    out = {}
-    for k, v in node.items():
-        out.update(_flat_items(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
 def resume_differences(saved: dict, now: dict) -> list[str]:
     """'key (checkpoint -> now)' for every key outside RESUME_MAY_CHANGE that differs."""
-    a, b = _flat_items(saved), _flat_items(now)
+    a, b = flat_items(saved), flat_items(now)
     missing = object()
     out = []
     for k in sorted(set(a) | set(b)):
@@ -222,10 +206,13 @@ class CheckpointError(FedbenchError):
     """checkpoint.pt cannot be read (cut off, corrupted, or not fedbench's)."""
 
 
-def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict:
-    """The checkpoint's state, or CheckpointError (one line) when it cannot be read."""
+def load_checkpoint(
+    path: Path, map_location: str | torch.device = "cpu", *, mmap: bool = False
+) -> dict:
+    """The checkpoint's state, or CheckpointError (one line) when it cannot be read.
+    `mmap`: map the tensors instead of reading them (a check that only needs the config)."""
     try:
-        state = torch.load(path, map_location=map_location, weights_only=False)
+        state = torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
         if not isinstance(state, dict) or "progress" not in state or "algo" not in state:
             raise ValueError("not a fedbench checkpoint")
         int(state["progress"]["next_round"])
@@ -254,7 +241,7 @@ def check_resume(cfg: DictConfig, out: str | Path) -> None:
         saved_cfg = out / ".hydra" / "config.yaml"
         if saved_cfg.is_file():
             try:
-                saved = _plain(OmegaConf.load(saved_cfg))
+                saved = plain(OmegaConf.load(saved_cfg))
             except Exception as e:  # noqa: BLE001 (a corrupt YAML: one line)
                 raise ConfigError(f"resume=true: {saved_cfg} cannot be read ({e})") from None
             _refuse_differences(saved, cfg, saved_cfg)
@@ -264,7 +251,7 @@ def check_resume(cfg: DictConfig, out: str | Path) -> None:
                 "checkpoint or config to check them against; start a new run directory"
             )
         return
-    state = load_checkpoint(path)
+    state = load_checkpoint(path, mmap=True)
     saved = state.get("config")
     if saved is None:
         log.warning("%s has no saved config (an older fedbench): resuming unchecked", path)
@@ -285,26 +272,22 @@ def finished_run(cfg: DictConfig, out: str | Path) -> dict | None:
     out = Path(out)
     try:
         summary = json.loads((out / "summary.json").read_text())
-        saved = _plain(OmegaConf.load(out / ".hydra" / "config.yaml"))
+        saved = plain(OmegaConf.load(out / ".hydra" / "config.yaml"))
     except Exception:  # noqa: BLE001 (missing or unreadable: not a finished run)
         return None
-    if summary.get("rounds") != int(cfg.rounds) or resume_differences(saved, _plain(cfg)):
+    if summary.get("rounds") != int(cfg.rounds) or resume_differences(saved, plain(cfg)):
         return None
     return summary
 
 
 def _refuse_differences(saved: dict, cfg: DictConfig, source: Path) -> None:
-    diff = resume_differences(saved, _plain(cfg))
+    diff = resume_differences(saved, plain(cfg))
     if diff:
         raise ConfigError(
             f"resume=true: the config differs from {source}'s in {', '.join(diff)}; resume "
             f"with its values or start a new run directory (only "
             f"{', '.join(RESUME_MAY_CHANGE)} may change)"
         )
-
-
-def _plain(cfg_node) -> dict:
-    return dict(OmegaConf.to_container(cfg_node, resolve=True)) if cfg_node is not None else {}
 
 
 class Run:
@@ -314,20 +297,20 @@ class Run:
         self.cfg = cfg
         self.out = Path(out_dir)
         self.progress = progress
-        validate(cfg)
+        check_config(cfg)
         algo_cls = ALGORITHMS.get(str(cfg.algo.name))
         if cfg.resume:
             check_resume(cfg, self.out)
         self.device = resolve_device(str(cfg.device))
         seed = int(cfg.seed)
-        dcfg = _plain(cfg.data)
+        dcfg = plain(cfg.data)
         name = dcfg.pop("name")
         root = dcfg.pop("root", None)
         download = bool(dcfg.pop("download", True))
         augment = bool(dcfg.pop("augment", False))
         root = str(Path(root).expanduser()) if root else None
         data = load_dataset(name, root, download=download, **dcfg)
-        scfg = _plain(cfg.split)
+        scfg = plain(cfg.split)
         split = scfg.pop("name")
         n = int(cfg.clients)
         self.partition = make_partition(
@@ -341,7 +324,7 @@ class Run:
         )
         self.labels_pool = np.concatenate([data.y_train.numpy(), data.y_test.numpy()])
         self.num_classes = data.num_classes
-        mcfg = _plain(cfg.model)
+        mcfg = plain(cfg.model)
         mname = mcfg.pop("name")
         self.model_fn = partial(build_model, mname, data.input_shape, data.num_classes, **mcfg)
         torch.manual_seed(seed)
@@ -388,7 +371,7 @@ class Run:
             for rel, text in files.items():
                 atomic_write_text(self.out / rel, text)
             with _log_file(self.out / "run.log"):
-                sinks = Sinks.from_cfg(_plain(self.cfg.get("log")))
+                sinks = Sinks.from_cfg(plain(self.cfg.get("log")))
                 try:
                     summary = self._run(sinks)
                 except Exception as e:
@@ -442,7 +425,7 @@ class Run:
         }
         if cfg.resume and (self.out / CHECKPOINT).exists():
             st = self._restore()
-        sinks.start(_plain(cfg), self.out, bool(cfg.resume))
+        sinks.start(plain(cfg), self.out, bool(cfg.resume))
         metrics = _appender(self.out / "metrics.csv", st["metrics_csv"])
         clients = _clients_appender(self.out / "clients.csv", st["clients_len"])
         comm = st["comm"]
@@ -551,7 +534,7 @@ class Run:
             # the attack's Gaussian stream (A1), so that a resumed run draws the same noise
             "attack": None if self.attack is None else self.attack.rng_state(),
             "version": fedbench.__version__,
-            "config": _plain(self.cfg),  # resume=true checks the new config against it
+            "config": plain(self.cfg),  # resume=true checks the new config against it
         }
         size = atomic_write(self.out / CHECKPOINT, lambda f: torch.save(state, f))
         if not self._ckpt_logged:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from fedbench.config import flat_items
 from fedbench.errors import ConfigError
 
 log = logging.getLogger("fedbench")
@@ -66,16 +67,11 @@ def check_installed(log_cfg: Mapping) -> None:
             raise ConfigError(f"{key} needs {module}: pip install 'fedbench[{extra}]'")
 
 
-def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(node: Any) -> dict[str, Any]:
     """{dotted key: scalar} of nested dicts (lists become strings)."""
-    if isinstance(node, Mapping):
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    if isinstance(node, list | tuple):
-        return {prefix: str(list(node))}
-    return {prefix: node}
+    return {
+        k: str(list(v)) if isinstance(v, list | tuple) else v for k, v in flat_items(node).items()
+    }
 
 
 def numbers(d: Mapping[str, Any]) -> dict[str, float]:

@@ -190,8 +190,11 @@ def plain_params(algo_cfg: DictConfig | dict) -> dict:
 
 def typed_params(algo_cfg: DictConfig | dict, params: type | None, algo: str) -> Any:
     """`check_params`, then the checked node as an instance of `params` (None: no Params)."""
-    check_params(algo_cfg, params, algo)
-    return None if params is None else build_params(plain_params(algo_cfg), params)
+    if params is None:
+        return None
+    node = plain_params(algo_cfg)  # resolved once, checked, then built
+    check_node(node, params, "algo", f"algo={algo}", f"conf/algo/{algo}.yaml")
+    return build_params(node, params)
 
 
 def check_params(algo_cfg: DictConfig | dict, params: type | None, algo: str) -> None:
