@@ -26,6 +26,9 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 CLI = [sys.executable, "-c", "from fedbench.cli import main; main()"]
 TINY = [*SMALL_FMNIST, "clients=6", "split.train_per_client=60", "split.test_per_client=20"]
 
+# The finished run's command (the `finished` fixture) and the resumes of its copies.
+FINISHED = [*TINY, "rounds=2", "eval.every=1", "checkpoint.every=1"]
+
 needs_fmnist = pytest.mark.skipif(not fmnist_available(), reason="FMNIST not installed")
 
 
@@ -59,8 +62,7 @@ def finished(tmp_path_factory) -> Path:
     if not fmnist_available():
         pytest.skip("FMNIST not installed")
     d = tmp_path_factory.mktemp("finished")
-    r = fedbench(*TINY, "rounds=2", "eval.every=1", "checkpoint.every=1", "hydra.run.dir=run",
-                 cwd=d)  # fmt: skip
+    r = fedbench(*FINISHED, "hydra.run.dir=run", cwd=d)
     assert r.returncode == 0, r.stderr
     return d / "run"
 
@@ -199,8 +201,7 @@ def test_a_finished_run_is_never_written_into_without_resume(tmp_path, finished)
         ["resume=true", "device=tpu"],
         ["resume=true", "eval.s_frac=0.2"],  # would change what personal.S means mid-file
     ):
-        r = fedbench(*TINY, "rounds=2", "eval.every=1", "checkpoint.every=1",
-                     f"hydra.run.dir={finished}", *extra, cwd=tmp_path)  # fmt: skip
+        r = fedbench(*FINISHED, f"hydra.run.dir={finished}", *extra, cwd=tmp_path)
         line = one_line(r)
         assert snapshot(finished) == before, (extra, line)
 
@@ -288,34 +289,37 @@ def test_resume_needs_an_explicit_directory():
     assert msg is not None and "hydra.sweep.dir=" in msg
 
 
-@pytest.mark.slow
-@needs_fmnist
-def test_corrupt_checkpoint_is_one_line(tmp_path, finished):
+@pytest.fixture
+def finished_copy(tmp_path, finished) -> Path:
+    """A copy of the finished run that a test may damage."""
     import shutil
 
-    run = tmp_path / "run"
-    shutil.copytree(finished, run)
+    return Path(shutil.copytree(finished, tmp_path / "run"))
+
+
+def resume(run: Path, cwd: Path) -> subprocess.CompletedProcess:
+    return fedbench(*FINISHED, "resume=true", f"hydra.run.dir={run}", cwd=cwd)
+
+
+@pytest.mark.slow
+@needs_fmnist
+def test_corrupt_checkpoint_is_one_line(tmp_path, finished_copy):
+    run = finished_copy
     data = (run / "checkpoint.pt").read_bytes()
     for broken in (data[: len(data) // 2], b"garbage" * 10, b""):
         (run / "checkpoint.pt").write_bytes(broken)
         before = snapshot(run)
-        r = fedbench(*TINY, "rounds=2", "eval.every=1", "checkpoint.every=1", "resume=true",
-                     f"hydra.run.dir={run}", cwd=tmp_path)  # fmt: skip
-        assert "cannot be read" in one_line(r)
+        assert "cannot be read" in one_line(resume(run, tmp_path))
         assert snapshot(run) == before
 
 
 @pytest.mark.slow
 @needs_fmnist
-def test_resuming_a_finished_run_restores_a_deleted_metrics_csv(tmp_path, finished):
-    import shutil
-
-    run = tmp_path / "run"
-    shutil.copytree(finished, run)
+def test_resuming_a_finished_run_restores_a_deleted_metrics_csv(tmp_path, finished_copy):
+    run = finished_copy
     want = (run / "metrics.csv").read_bytes()
     (run / "metrics.csv").unlink()
-    r = fedbench(*TINY, "rounds=2", "eval.every=1", "checkpoint.every=1", "resume=true",
-                 f"hydra.run.dir={run}", cwd=tmp_path)  # fmt: skip
+    r = resume(run, tmp_path)
     assert r.returncode == 0, r.stderr
     assert (run / "metrics.csv").read_bytes() == want
 
@@ -473,7 +477,7 @@ def test_resume_auto_skips_a_finished_run_and_starts_an_empty_one(tmp_path):
     """resume=auto (table scripts, requeued jobs): an empty directory starts, a finished run
     of the same config is skipped without writing anything, a longer one extends it."""
     run = tmp_path / "run"
-    args = [*TINY, "rounds=2", "eval.every=1", "checkpoint.every=1", "resume=auto"]
+    args = [*FINISHED, "resume=auto"]
     first = fedbench(*args, f"hydra.run.dir={run}", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     before = snapshot(run)
