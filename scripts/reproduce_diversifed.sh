@@ -12,14 +12,15 @@
 # Environment: SEEDS (comma list, default 0,1,2,3,4: the paper's 5 runs), ROUNDS (default:
 # the preset's 500), METHODS (space list, default: the table's rows), OUT (sweep root,
 # default multirun/diversifed), EXTRA (more overrides for every run, e.g.
-# "hydra/launcher=joblib_local hydra.launcher.n_jobs=8" or "device=cuda").
+# "hydra/launcher=joblib_local hydra.launcher.n_jobs=8" or "device=cuda"), COLUMN (the
+# columns of Tables II and VII to run instead of all, e.g. COLUMN=split.alpha=0.1).
 # Methods whose conf/algo/<name>.yaml does not exist yet are skipped with a note.
 # The script only sweeps: a method's DiversiFed settings (pFedMe's eval_model=local, FedCAC's
 # CIFAR-100 tau/beta ...) are config (conf/paper_algo/diversifed*/<algo>.yaml, chosen by the
 # preset), so one cell of a table is `fedbench +experiment=diversifed_<preset> algo=<method>`.
 set -euo pipefail
 
-source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"  # ROOT, EXTRA_ARGS, run
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"  # ROOT, EXTRA_ARGS, run, sweep, run_sweeps, finish
 SEEDS="${SEEDS:-0,1,2,3,4}"
 OUT="${OUT:-multirun/diversifed}"
 
@@ -61,15 +62,18 @@ for preset in "${presets[@]}"; do
       echo "# skipping $method: conf/algo/$method.yaml does not exist" >&2
       continue
     fi
-    args=(fedbench -m "+experiment=diversifed_$preset" "algo=$method" "seed=$SEEDS")
-    [[ -n "${COLUMNS[$preset]}" ]] && args+=(${COLUMNS[$preset]})
+    args=("+experiment=diversifed_$preset" "algo=$method" "seed=$SEEDS")
+    [[ -n "${COLUMNS[$preset]}" ]] && args+=(${COLUMN:-${COLUMNS[$preset]}})
     [[ -n "${ROUNDS:-}" ]] && args+=("rounds=$ROUNDS")
     args+=("hydra.sweep.dir=$OUT/$preset/$method" "${EXTRA_ARGS[@]}")
-    run "${args[@]}"
+    sweep "${args[@]}"
   done
 done
+
+run_sweeps "DiversiFed ${presets[*]}"
 
 tables=$(printf '%s\n' "${presets[@]}" | sed 's/_.*//' | sort -u)
 for t in $tables; do
   run fedbench-report "$OUT" --preset "diversifed_$t"
 done
+finish

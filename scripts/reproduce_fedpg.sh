@@ -22,7 +22,7 @@
 # one lr is `fedbench +experiment=fedpg_<preset> algo=<method> optim.lr=<lr> seed=<s>`.
 set -euo pipefail
 
-source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"  # ROOT, EXTRA_ARGS, run
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"  # ROOT, EXTRA_ARGS, run, sweep, run_sweeps, finish
 SEEDS="${SEEDS:-0,1,2,3,4}"
 LRS="${LRS:-0.01 0.05 0.1}"
 OUT="${OUT:-multirun/fedpg}"
@@ -60,14 +60,16 @@ for preset in "${presets[@]}"; do
     gamma=()
     [[ $method == *@* ]] && gamma=("algo.gamma=${method#*@}")
     for lr in $LRS; do
-      args=(fedbench -m "+experiment=fedpg_$preset" "algo=$algo" "seed=$SEEDS" "optim.lr=$lr"
+      args=("+experiment=fedpg_$preset" "algo=$algo" "seed=$SEEDS" "optim.lr=$lr"
         "${gamma[@]}")
       [[ -n "${ROUNDS:-}" ]] && args+=("rounds=$ROUNDS")
       args+=("hydra.sweep.dir=$OUT/$preset/$method/lr$lr" "${EXTRA_ARGS[@]}")
-      run "${args[@]}"
+      sweep "${args[@]}"
     done
   done
 done
+
+run_sweeps "FedPG ${presets[*]}"
 
 # one report per table over its columns' sweeps: the best lr per method and column
 tables=$(printf '%s\n' "${presets[@]}" | sed 's/_.*//' | sort -u)
@@ -86,3 +88,4 @@ for t in $tables; do
   (( ${#dirs[@]} )) || continue
   run fedbench-report "${dirs[@]}" --preset "fedpg_$t" --best-of optim.lr --best-by personal.LSG
 done
+finish

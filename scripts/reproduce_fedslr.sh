@@ -19,7 +19,7 @@
 # run, e.g. "device=cuda" or "data.root=/data hydra/launcher=joblib_local").
 set -euo pipefail
 
-source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"  # ROOT, EXTRA_ARGS, run
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"  # ROOT, EXTRA_ARGS, run, sweep, run_sweeps, finish
 SEEDS="${SEEDS:-0}"
 OUT="${OUT:-multirun/fedslr}"
 
@@ -55,12 +55,14 @@ for column in "${columns[@]}"; do
   for method in $(registered "${METHODS:-$ALL_METHODS}"); do
     [[ -z "${done_runs[$dir/$method]:-}" ]] || continue
     done_runs[$dir/$method]=1
-    args=(fedbench -m "+experiment=fedslr_$column" "algo=$method" "seed=$SEEDS")
+    args=("+experiment=fedslr_$column" "algo=$method" "seed=$SEEDS")
     [[ -n "${ROUNDS:-}" ]] && args+=("rounds=$ROUNDS")
     args+=("hydra.sweep.dir=$dir/$method" "${EXTRA_ARGS[@]}")
-    run "${args[@]}"
+    sweep "${args[@]}"
   done
 done
+
+run_sweeps "FedSLR ${columns[*]}"
 
 for t in $(printf '%s\n' "${reports[@]}" | sort -u); do
   case "$t" in
@@ -68,3 +70,4 @@ for t in $(printf '%s\n' "${reports[@]}" | sort -u); do
     t2) run fedbench-report "$OUT" --preset fedslr_table2 --compact ;;
   esac
 done
+finish

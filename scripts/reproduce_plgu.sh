@@ -23,7 +23,7 @@
 # "device=cuda" or "data.root=/data hydra/launcher=joblib_local").
 set -euo pipefail
 
-source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"  # ROOT, EXTRA_ARGS, run
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"  # ROOT, EXTRA_ARGS, run, sweep, run_sweeps, finish
 SEEDS="${SEEDS:-0,1,2}"
 OUT="${OUT:-multirun/plgu}"
 
@@ -69,13 +69,15 @@ for preset in "${presets[@]}"; do
   for method in ${METHODS:-${METHODS_OF[$table]}}; do
     [[ -z "${done_runs[$dir/$method]:-}" ]] || continue
     done_runs[$dir/$method]=1
-    args=(fedbench -m "+experiment=plgu_$preset" "algo=$method" "seed=$SEEDS")
+    args=("+experiment=plgu_$preset" "algo=$method" "seed=$SEEDS")
     [[ -n "${SWEEP_OF[$table]}" ]] && args+=(${SWEEP_OF[$table]})
     [[ -n "${ROUNDS:-}" ]] && args+=("rounds=$ROUNDS")
     args+=("hydra.sweep.dir=$dir/$method" "${EXTRA_ARGS[@]}")
-    run "${args[@]}"
+    sweep "${args[@]}"
   done
 done
+
+run_sweeps "PLGU ${presets[*]}"
 
 # The tables: Tables 1-2 in the paper's layout beside its numbers; the sweeps as plain
 # tables of avg with bottom 5% / top 5% beneath (PLGU-LF's global model too).
@@ -93,3 +95,4 @@ for t in $tables; do
         --metric "${STATS//L./global.L.}" --filter algo=plgu_lf ;;
   esac
 done
+finish

@@ -185,9 +185,15 @@ def script_cells(script: str, *tables: str) -> list[list[str]]:
 SWEEP_KEYS = {"split.alpha", "participation", "local_epochs", "algo.rho", "algo.personal_layers"}
 
 
+# What a table script adds to every sweep beside its cells' overrides: where (a fixed
+# directory per cell) and resume=auto (a finished cell is skipped, an interrupted one resumes).
+CELL_SUBDIR = "'hydra.sweep.subdir=${hydra.job.override_dirname}'"
+PLACEMENT = ("hydra.sweep.dir=", CELL_SUBDIR, "resume=auto")
+
+
 def first_job(args: list[str]) -> list[str]:
-    """A sweep's first cell: each comma list's first value, without hydra.sweep.dir."""
-    return [a.split(",")[0] for a in args if not a.startswith("hydra.sweep.dir=")]
+    """A sweep's first cell: each comma list's first value, without its placement."""
+    return [a.split(",")[0] for a in args if not a.startswith(PLACEMENT)]
 
 
 @pytest.mark.quick
@@ -200,7 +206,8 @@ def test_table_scripts_only_sweep(script):
     for args in cells:
         keys = [a.split("=")[0] for a in args]
         assert keys[:3] == ["+experiment", "algo", "seed"], args
-        extra = set(keys[3:]) - {"hydra.sweep.dir"}
+        assert all(any(a.startswith(p) for a in args) for p in PLACEMENT), args
+        extra = {k for a, k in zip(args[3:], keys[3:], strict=True) if not a.startswith(PLACEMENT)}
         assert extra <= SWEEP_KEYS, f"{script} adds {extra - SWEEP_KEYS} to {args}"
 
 

@@ -439,7 +439,7 @@ def test_reproduce_script_cells_are_one_cell_commands():
     cells = [ln.split()[3:] for ln in out.splitlines() if ln.startswith("+ fedbench -m ")]
     assert len(cells) == 3 * (17 + 10)  # lr grid x (Table 1's rows + Table 3's)
     for args in cells:
-        job = [a for a in args if not a.startswith("hydra.sweep.dir=")]
+        job = [a for a in args if not a.startswith(("hydra.sweep.", "'hydra.sweep.", "resume="))]
         keys = [a.split("=")[0] for a in job]
         assert keys[:3] == ["+experiment", "algo", "seed"]
         assert set(keys[3:]) <= {"optim.lr", "algo.gamma"}
