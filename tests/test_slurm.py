@@ -250,3 +250,63 @@ def test_sigterm_checkpoints_and_a_resume_ends_as_uninterrupted(slurm, sweeps, t
     b = json.loads((job_dir / "summary.json").read_text())
     assert (b["final"], b["best"]) == (a["final"], a["best"])
     assert b["rounds"] == 40
+
+
+def test_table_script_through_slurm_resumes_a_stopped_cell(slurm, sweeps, tmp_path):
+    """A table script (scripts/reproduce_diversifed.sh, one method x two seeds) with the SLURM
+    launcher: one job stopped by `scancel --signal=TERM` mid-run makes the script exit 1 with
+    its line; the script run again resumes that cell from its checkpoint (the status line
+    says so) and skips the finished one; the table equals the uninterrupted runs'."""
+    tiny = ("clients=6 split.train_per_client=60 split.test_per_client=40 local_epochs=1 "
+            "model.hidden=[16] eval.every=10 checkpoint.every=5 device=cpu")  # fmt: skip
+    env = {
+        **ENV,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "METHODS": "fedavg",
+        "SEEDS": "0,1",
+        "ROUNDS": "60",
+    }
+
+    def table(out: Path, extra: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            ["bash", str(REPO / "scripts" / "reproduce_diversifed.sh"), "table1_fmnist"],
+            env={**env, "OUT": str(out), "EXTRA": extra}, cwd=tmp_path, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+
+    slurm_extra = f"{tiny} {' '.join(LAUNCHER)}"
+    out = tmp_path / "slurm"
+    sweep = out / "table1_fmnist" / "fedavg"
+    sweeps.append(sweep)
+    ref = table(tmp_path / "ref", tiny)  # here, without SLURM, meanwhile
+    first = table(out, slurm_extra)
+
+    def a_cell_in_its_rounds() -> Path | None:
+        for d in sorted(sweep.glob("*seed=1*")):  # the second job: stop it, not the first
+            if (d / "checkpoint.pt").exists():
+                return d
+        return None
+
+    cell = wait_for(a_cell_in_its_rounds, "seed 1's first checkpoint", first)
+    job = next(j for j in job_ids(sweep) if j.endswith("_1"))
+    assert _run(["scancel", "--signal=TERM", job]).returncode == 0
+    stdout, stderr = first.communicate(timeout=TIMEOUT)
+    if (cell / "summary.json").exists():
+        pytest.skip("the job finished its rounds before SIGTERM arrived")
+    assert first.returncode == 1 and "SIGTERM: stopped after round" in stderr, stderr[-3000:]
+    assert "run the same command again" in stderr
+
+    again = table(out, slurm_extra)
+    stdout, stderr = again.communicate(timeout=TIMEOUT)
+    assert again.returncode == 0, stderr[-3000:]
+    head = stdout.splitlines()[0]
+    assert "2 cells: 1 done, 0 running, 1 left (1 resume from a checkpoint)" in head, head
+    assert "2 cells: 2 done" in stdout
+    ref_out, ref_err = ref.communicate(timeout=TIMEOUT)
+    assert ref.returncode == 0, ref_err[-3000:]
+
+    def table_of(text: str) -> str:
+        lines = text.split("+ fedbench-report", 1)[1].splitlines()[1:]
+        return "\n".join(ln for ln in lines if "/" not in ln)
+
+    assert "FedAvg" in table_of(stdout) and table_of(stdout) == table_of(ref_out)
