@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 import fedbench
 from fedbench.algorithms import ALGORITHMS
-from fedbench.algorithms.base import FLOAT_BYTES
+from fedbench.algorithms.base import FLOAT_BYTES, RoundReport
 from fedbench.attack import Attack
 from fedbench.config import check_config, flat_items, plain
 from fedbench.data.federation import Federation
@@ -442,18 +442,18 @@ class Run:
         with _graceful(self.out, st) as stop:
             for t in bar:
                 chosen = self.sample()
-                info = self.algo.round(t, chosen)
-                comm["bytes_up"] += int(info.get("bytes_up", 0))
-                comm["bytes_down"] += int(info.get("bytes_down", 0))
+                report = self.algo.round(t, chosen)
+                comm["bytes_up"] += int(report.comm.bytes_up)
+                comm["bytes_down"] += int(report.comm.bytes_down)
                 if (t + 1) % every == 0 or t + 1 == rounds:
-                    loss = self._check_loss(info, t)
+                    loss = self._check_loss(report.train_loss, t)
                     res = evaluate(self.algo, self.fed, tail, honest=self.honest)
                     summ = summaries(res)
                     row = {"round": t + 1, "wall_time_s": time.perf_counter() - t0}
                     row["train_loss"] = loss
                     row.update(comm)
-                    row.update(diagnostics(info))
-                    row.update(size_columns(self.algo, comm, t + 1, info, len(chosen)))
+                    row.update(diagnostics(report))
+                    row.update(size_columns(self.algo, comm, t + 1, report, len(chosen)))
                     row.update(_flatten(summ))
                     metrics.append([row])
                     sinks.log(t + 1, row)
@@ -500,8 +500,8 @@ class Run:
         sinks.finish(summary)
         return summary
 
-    def _check_loss(self, info: dict, t: int) -> float:
-        loss = float(info.get("train_loss", float("nan")))
+    def _check_loss(self, train_loss: torch.Tensor | float, t: int) -> float:
+        loss = float(train_loss)
         if not math.isfinite(loss):
             if self.attack is None:
                 raise FedbenchError(
@@ -626,16 +626,11 @@ def _upgrade_progress(p: dict) -> dict:
     return p
 
 
-ROUND_KEYS = ("train_loss", "bytes_up", "bytes_down")
-
-
-def diagnostics(info: dict) -> dict:
-    """The scalars a round reports beyond loss and bytes (FedPG's QP fallbacks, FedSLR's
-    ranks ...), as metrics.csv columns. Counters are cumulative on the algorithm's side."""
+def diagnostics(report: RoundReport) -> dict:
+    """The algorithm's own scalars of a round (FedPG's QP fallbacks, FedSLR's ranks ...), as
+    metrics.csv columns. Counters are cumulative on the algorithm's side."""
     out = {}
-    for k, v in info.items():
-        if k in ROUND_KEYS:
-            continue
+    for k, v in report.diagnostics.items():
         if isinstance(v, torch.Tensor) and v.numel() == 1:
             v = v.item()
         if isinstance(v, int | float) and not isinstance(v, bool):
@@ -653,7 +648,7 @@ SIZE_KEYS = (
 )
 
 
-def size_columns(algo, comm: dict, rounds_done: int, info: dict, n_clients: int) -> dict:
+def size_columns(algo, comm: dict, rounds_done: int, report: RoundReport, n_clients: int) -> dict:
     """Model size and communication (FedSLR Table 2), as metrics.csv columns: uplink,
     downlink and their sum in MB (1e6 bytes) per round, averaged over the rounds so far;
     parameters the server sent one client this round (from bytes_down); parameters of each
@@ -663,7 +658,7 @@ def size_columns(algo, comm: dict, rounds_done: int, info: dict, n_clients: int)
         "up_MB": comm["bytes_up"] / mb,
         "down_MB": comm["bytes_down"] / mb,
         "comm_MB": (comm["bytes_up"] + comm["bytes_down"]) / mb,
-        "params_sent_M": float(info.get("bytes_down", 0)) / FLOAT_BYTES / max(n_clients, 1) / 1e6,
+        "params_sent_M": report.comm.bytes_down / FLOAT_BYTES / max(n_clients, 1) / 1e6,
     }
     for k, v in algo.model_size().items():
         out[f"{k}_M"] = float(v) / 1e6

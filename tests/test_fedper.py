@@ -38,7 +38,7 @@ def test_round_by_hand(weighting, epochs):
     deployed = algo.personal_state(1)
     assert torch.equal(deployed[own], before[1]) and torch.equal(deployed[~own], algo.base[~own])
     moved = 2 * (eng.n_state - int(own.sum()))
-    assert info["bytes_up"] == info["bytes_down"] == 4 * moved
+    assert info.comm.bytes_up == info.comm.bytes_down == 4 * moved
 
 
 @pytest.mark.quick

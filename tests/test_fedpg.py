@@ -312,7 +312,7 @@ def test_qp_failure_falls_back_to_the_mean_with_one_warning(monkeypatch, caplog)
     with caplog.at_level(logging.WARNING, logger="fedbench"):
         for t in range(3):
             info = algo.round(t, np.array([0, 1, 2]))
-    assert info["qp_fallback_rounds"] == 3
+    assert info.diagnostics["qp_fallback_rounds"] == 3
     assert sum("min-norm QP" in r.message for r in caplog.records) == 1
 
 
@@ -341,7 +341,7 @@ def test_fedpg_round_from_its_pieces_with_history_and_its_expiry():
     P = eng.n_params
     w1, theta, dirs = _expected_round(algo, eng, 0, [0, 1, 2])
     info = algo.round(0, np.array([0, 1, 2]))
-    assert info["history_rounds"] == 0
+    assert info.diagnostics["history_rounds"] == 0
     assert torch.allclose(algo.w[:P], w1, atol=1e-6)
     for i in range(3):
         assert torch.allclose(algo.personal_state(i)[:P], theta[i], atol=1e-6)
@@ -350,13 +350,13 @@ def test_fedpg_round_from_its_pieces_with_history_and_its_expiry():
     # directions rescaled to this round's mu; their thetas stay
     w2, theta0, _ = _expected_round(algo, eng, 1, [0], hist_rows=dirs[1:])
     info = algo.round(1, np.array([0]))
-    assert info["history_rounds"] == 1
+    assert info.diagnostics["history_rounds"] == 1
     assert torch.allclose(algo.w[:P], w2, atol=1e-6)
     assert torch.allclose(algo.personal_state(0)[:P], theta0[0], atol=1e-6)
     assert torch.allclose(algo.personal_state(1)[:P], theta[1], atol=1e-6)
     # history lasts while t - t_j <= tau = 3: t = 2, 3 use it, t = 4 does not
     for t, used in [(2, 2), (3, 3), (4, 3)]:
-        assert algo.round(t, np.array([0]))["history_rounds"] == used
+        assert algo.round(t, np.array([0])).diagnostics["history_rounds"] == used
     # and without history the single online client's step is d = g_0 at the mean-gradient norm
     w6, _, _ = _expected_round(algo, eng, 5, [0])
     algo.round(5, np.array([0]))
@@ -387,11 +387,11 @@ def test_comm_counts_the_line_search_queries_of_the_online_clients(monkeypatch):
     monkeypatch.setattr(eng, "full_grads", counting)
     q = algo.counts[2].item()
     info = algo.round(1, np.array([0, 1, 2]))
-    trials = info["line_search_queries"] - q
+    trials = info.diagnostics["line_search_queries"] - q
     assert trials >= 1 and queried == [2] * trials  # the two online clients, per trial
     P, D = eng.n_params, eng.n_state
-    assert info["bytes_up"] == (3 * (P + 1) + 2 * trials) * 4
-    assert info["bytes_down"] == (3 * (D + P + 1) + 2 * trials) * 4
+    assert info.comm.bytes_up == (3 * (P + 1) + 2 * trials) * 4
+    assert info.comm.bytes_down == (3 * (D + P + 1) + 2 * trials) * 4
 
 
 @pytest.mark.quick

@@ -162,7 +162,7 @@ def test_memory_efficient_server_equals_per_client_form():
             assert_clear_of_threshold(z, eng.spec, algo.tau, margin=1e-4)
         assert torch.allclose(algo.theta, ref.theta, atol=1e-5), t
         assert torch.allclose(algo.p, ref.p, atol=1e-5), t
-        assert a["gkr_params"] == b["gkr_params"]
+        assert a.diagnostics["gkr_params"] == b.diagnostics["gkr_params"]
     # h is the mean of the stored lambda_i
     assert torch.allclose(algo.h, algo.lam.mean(0), atol=1e-6)
     # the prox acted (the penalty is scaled to this toy model): the GKR lost rank
@@ -341,8 +341,8 @@ def test_bytes_down_is_the_factorized_gkr_at_the_rounds_start():
             m, n = sizes[name]  # the MLP's Linear weights: (out, in)
             gkr += min(r * (m + n), m * n)
         C = len(clients)
-        assert info["bytes_down"] == 4 * C * (gkr + D - P), t
-        assert info["bytes_up"] == 4 * C * D
+        assert info.comm.bytes_down == 4 * C * (gkr + D - P), t
+        assert info.comm.bytes_up == 4 * C * D
     # the ranks moved during a round, so start and end ranks give different sizes
     assert any(a != b for a, b in history)
 
@@ -354,9 +354,11 @@ def test_nnz_count_tracks_p_through_rounds():
         info = algo.round(t, np.array(clients))
         nnz = (algo.p != 0).sum(1)
         assert torch.equal(algo.p_nnz.cpu(), nnz.cpu()), t
-        gkr = info["gkr_params"]
-        assert info["mixed_params"] == pytest.approx(gkr + float(nnz.float().mean()))
-        assert info["p_density"] == pytest.approx(float(nnz.float().mean()) / eng.n_params)
+        gkr = info.diagnostics["gkr_params"]
+        assert info.diagnostics["mixed_params"] == pytest.approx(gkr + float(nnz.float().mean()))
+        assert info.diagnostics["p_density"] == pytest.approx(
+            float(nnz.float().mean()) / eng.n_params
+        )
 
 
 @pytest.mark.quick

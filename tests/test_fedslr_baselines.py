@@ -99,7 +99,7 @@ def test_scaffold_partial_participation_control_variates():
     # option II keeps c = mean of the clients' c_i when every update is counted
     assert torch.allclose(algo.c, algo.c_i.mean(0), atol=1e-5)
     # the last round (client 0): y and c_i up, x and c down; 4 parameters of 4 bytes
-    assert info["bytes_up"] == info["bytes_down"] == 1 * 2 * 4 * 4
+    assert info.comm.bytes_up == info.comm.bytes_down == 1 * 2 * 4 * 4
 
 
 @pytest.mark.quick
@@ -121,7 +121,7 @@ def test_lg_fedavg_shares_only_the_head():
     algo, eng, fed = make_algo("lg_fedavg")
     H = int(algo.head_entries.sum())
     info = algo.round(0, np.array([0, 1]))
-    assert info["bytes_up"] == info["bytes_down"] == 2 * H * 4
+    assert info.comm.bytes_up == info.comm.bytes_down == 2 * H * 4
     # client 2 was not sampled: its body is the initial one, with the new global head
     s2 = algo.personal_state(2)
     init = eng.initial_state()

@@ -35,9 +35,9 @@ def _check_sizes(name: str) -> None:
     assert ("params_personal" in sizes) == algo.has_personal, name
     assert ("params_global" in sizes) == algo.has_global, name
     assert all(0 < v <= 4 * eng.n_params for v in sizes.values()), (name, sizes)
-    comm = {"bytes_up": int(info["bytes_up"]), "bytes_down": int(info["bytes_down"])}
+    comm = {"bytes_up": info.comm.bytes_up, "bytes_down": info.comm.bytes_down}
     cols = size_columns(algo, comm, 1, info, len(clients))
-    sent = info["bytes_down"] / FLOAT_BYTES / len(clients)
+    sent = info.comm.bytes_down / FLOAT_BYTES / len(clients)
     assert cols["params_sent_M"] == pytest.approx(sent / 1e6)
     assert cols["comm_MB"] == pytest.approx((comm["bytes_up"] + comm["bytes_down"]) / 1e6)
 
@@ -53,12 +53,12 @@ def test_partial_models_send_part_of_the_model():
         algo, eng, fed = make_algo(name)
         D = eng.n_state
         info = algo.round(0, np.array([0, 1]))
-        sent = info["bytes_down"] / FLOAT_BYTES / 2
+        sent = info.comm.bytes_down / FLOAT_BYTES / 2
         head = len(eng.model.head_params()) and int(eng.spec.mask(eng.model.head_params()).sum())
         assert sent == (head if part == "head" else D - head), name
     algo, eng, _ = make_algo("scaffold")
     info = algo.round(0, np.array([0, 1]))
-    assert info["bytes_up"] == 2 * (eng.n_state + eng.n_params) * FLOAT_BYTES  # y and c_i
+    assert info.comm.bytes_up == 2 * (eng.n_state + eng.n_params) * FLOAT_BYTES  # y and c_i
 
 
 def _as_paper_run(run_dir, cfg, data="cifar10"):

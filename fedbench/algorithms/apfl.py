@@ -33,7 +33,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedbench.algorithms._shared import WithTrainer, make_engine, train_on
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import fraction
 
 
@@ -109,7 +109,7 @@ class APFL(WithTrainer, Algorithm):
         self.rows = self.trainer.initial_state().repeat(self.N, 1)  # [N, D']: w_i, v_i, alpha_i
         self.seen = torch.zeros(self.N, dtype=torch.bool, device=dev)
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
         start = self.rows[idx].clone()
         start[:, self.wcols] = self.w
@@ -124,11 +124,8 @@ class APFL(WithTrainer, Algorithm):
         self.rows[idx] = states
         self.seen[idx] = True
         self.w = self.weights(clients) @ local
-        return {
-            "train_loss": res.loss.mean(),
-            **self.comm(clients),
-            "alpha_mean": float(self.rows[self.seen, self.acol].mean()),
-        }
+        alpha_mean = float(self.rows[self.seen, self.acol].mean())
+        return RoundReport(res.loss.mean(), self.comm(clients), {"alpha_mean": alpha_mean})
 
     def personal_state(self, i: int) -> torch.Tensor:
         if not bool(self.seen[i]):

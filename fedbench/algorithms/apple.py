@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._steps import grad_at
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import fraction, nonneg
 from fedbench.engine.optim import step_
 
@@ -109,7 +109,7 @@ class APPLE(Algorithm):
         own[:P] = p @ cores[:, :P]
         return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         downloaded = self.cores.clone()  # every sampled client gets the cores of round t-1
         idx = torch.as_tensor(clients, device=self.device)
         losses, trained = [], []
@@ -120,4 +120,4 @@ class APPLE(Algorithm):
         self.cores[idx] = self.receive(torch.stack(trained), clients, ref=downloaded[idx])
         D, C = self.engine.n_state, len(clients)
         comm = self.comm(clients, up=C * D, down=C * self.N * D)
-        return {"train_loss": torch.stack(losses).mean(), **comm}
+        return RoundReport(torch.stack(losses).mean(), comm)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -48,6 +49,27 @@ class AlgorithmRegistry(Registry["type[Algorithm]"]):
 ALGORITHMS = AlgorithmRegistry("algorithm")
 
 FLOAT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Bytes one round moved, summed over its clients: uploads and downloads."""
+
+    bytes_up: int
+    bytes_down: int
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What `round` returns to the runner. `train_loss`: the round's mean training loss (a
+    0-d tensor is fine: the runner reads it only at evaluations, so a round costs no device
+    synchronization for it). `comm`: the bytes moved (`Algorithm.comm`). `diagnostics`: the
+    algorithm's own scalars, named as their metrics.csv columns (FedPG's QP fallbacks,
+    FedSLR's ranks); tensors are read at evaluations too."""
+
+    train_loss: torch.Tensor | float
+    comm: Comm
+    diagnostics: Mapping[str, torch.Tensor | float | int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -137,14 +159,15 @@ class Algorithm:
             w = self.fed.train_sizes[torch.as_tensor(np.asarray(clients))]
         return (w / w.sum()).to(self.device)
 
-    def comm(self, clients, up: int | None = None, down: int | None = None) -> dict:
-        """Bytes moved this round: by default one full state each way per sampled client."""
+    def comm(self, clients, up: int | None = None, down: int | None = None) -> Comm:
+        """Bytes moved this round, from the numbers of floats sent up and down over all the
+        round's clients: by default one full state each way per sampled client."""
         D = self.engine.n_state
         c = len(clients)
-        return {
-            "bytes_up": (c * D if up is None else up) * FLOAT_BYTES,
-            "bytes_down": (c * D if down is None else down) * FLOAT_BYTES,
-        }
+        return Comm(
+            bytes_up=(c * D if up is None else up) * FLOAT_BYTES,
+            bytes_down=(c * D if down is None else down) * FLOAT_BYTES,
+        )
 
     def receive(
         self,
@@ -168,7 +191,7 @@ class Algorithm:
         )
 
     # ------------------------------------------------------------------ the contract
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         raise NotImplementedError
 
     def personal_states(self) -> torch.Tensor | None:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._steps import grad_at
-from fedbench.algorithms.base import ALGORITHMS, Algorithm, TrainedOrGlobal
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, TrainedOrGlobal
 from fedbench.algorithms.params import Weighting, hp, nonneg
 from fedbench.engine import Proximal
 from fedbench.engine.optim import step_
@@ -75,7 +75,7 @@ class Ditto(TrainedOrGlobal, Algorithm):
         eng.optim_states.keep(self.optim, "main", i, st_g)
         return theta, w, torch.stack(losses).mean()
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
         if self.hp.interleave:
             thetas, ws, losses = zip(*(self.interleaved(int(i), t) for i in clients))
@@ -95,4 +95,4 @@ class Ditto(TrainedOrGlobal, Algorithm):
         self.set_trained(idx, theta)
         up = self.receive(local, clients, ref=self.w)
         self.w = self.weights(clients, self.hp.weighting) @ up
-        return {"train_loss": loss.mean(), **self.comm(clients)}
+        return RoundReport(loss.mean(), self.comm(clients))

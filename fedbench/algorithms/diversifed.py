@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._shared import mix_parameters, pairwise_sq_dists
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import positive
 from fedbench.engine import Proximal
 from fedbench.errors import ConfigError
@@ -112,7 +112,7 @@ class DiversiFed(Algorithm):
         a = mixing_matrix(self.w[:, :P], self.hp.alpha, self.hp.tau)
         return mix_parameters(a[clients], self.w, self.w[clients], P)
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
         if t == 0:
             start = self.w[idx]
@@ -125,4 +125,4 @@ class DiversiFed(Algorithm):
             res = self.local_train(start, clients, t, terms=[prox])
             down = None
         self.w[idx] = self.receive(res.states, clients, ref=start)
-        return {"train_loss": res.loss.mean(), **self.comm(clients, down=down)}
+        return RoundReport(res.loss.mean(), self.comm(clients, down=down))

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._shared import mix_parameters, pairwise_sq_dists
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import nonneg, positive
 from fedbench.engine import Proximal
 
@@ -82,10 +82,10 @@ class FedAMP(Algorithm):
             return []
         return [Proximal(u, self.hp.lam / self.hp.alpha_k)]
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
         u = self.messages(idx)
         start = self.w[idx]
         res = self.local_train(start, clients, t, terms=self.terms(u))
         self.w[idx] = self.receive(res.states, clients, ref=start)
-        return {"train_loss": res.loss.mean(), **self.comm(clients)}
+        return RoundReport(res.loss.mean(), self.comm(clients))

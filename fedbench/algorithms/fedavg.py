@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedbench.algorithms.base import ALGORITHMS, Algorithm, TrainedOrGlobal
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, TrainedOrGlobal
 from fedbench.algorithms.params import Weighting, nonneg
 from fedbench.engine import Proximal
 
@@ -49,13 +49,13 @@ class FedAvg(TrainedOrGlobal, Algorithm):
     def terms(self) -> list:
         return []
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         res = self.local_train(self.w, clients, t, terms=self.terms())
         idx = torch.as_tensor(clients, device=self.device)
         self.set_trained(idx, res.states)
         up = self.receive(res.states, clients, ref=self.w)
         self.w = self.weights(clients, self.hp.weighting) @ up
-        return {"train_loss": res.loss.mean(), **self.comm(clients)}
+        return RoundReport(res.loss.mean(), self.comm(clients))
 
 
 @ALGORITHMS.register("fedprox")

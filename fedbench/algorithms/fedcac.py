@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import hp
 from fedbench.engine import ModelSpec
 
@@ -102,7 +102,7 @@ class FedCAC(Algorithm):
         self.theta = self.w.repeat(self.N, 1)
         self.trained = self.theta.clone()  # each client's model after its last local training
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
         P = self.engine.n_params
         before = self.theta[idx]
@@ -116,11 +116,9 @@ class FedCAC(Algorithm):
         new = after.clone()
         new[:, :P] = torch.where(masks, customized[:, :P], self.w[:P])
         self.theta[idx] = new
-        return {
-            "train_loss": res.loss.mean(),
-            "collaborators": collab.sum(1).mean(),
-            **self.comm(clients),
-        }
+        return RoundReport(
+            res.loss.mean(), self.comm(clients), {"collaborators": collab.sum(1).mean()}
+        )
 
     def global_state(self) -> torch.Tensor:
         return self.w

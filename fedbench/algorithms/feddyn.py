@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._shared import dynamic_clients, dynamic_server
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import positive
 
 
@@ -52,7 +52,7 @@ class FedDyn(Algorithm):
         self.lam = torch.zeros(self.N, P, device=self.device)  # [N, P] clients' g_i / lambda_i
         self.h = torch.zeros(P, device=self.device)  # [P] (1/N) sum_i lambda_i
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
         # clients (lines 6-7): the local problem from theta^t, then lambda_i (client side)
         res, self.lam[idx] = dynamic_clients(
@@ -61,7 +61,7 @@ class FedDyn(Algorithm):
         x = self.receive(res.states, clients, ref=self.theta)  # the uploads x_i
         # server (lines 9-10): h, then theta^{t+1} = mean x_i - h / alpha
         self.h, self.theta = dynamic_server(x, self.theta, self.h, self.alpha, self.N)
-        return {"train_loss": res.loss.mean(), **self.comm(clients)}
+        return RoundReport(res.loss.mean(), self.comm(clients))
 
     def global_state(self) -> torch.Tensor:
         return self.theta

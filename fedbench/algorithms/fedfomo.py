@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from fedbench.algorithms._shared import TrainSubset, WithTrainer, make_engine, train_on
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import hp
 
 
@@ -107,7 +107,7 @@ class FedFomo(WithTrainer, Algorithm):
             return self.theta[i]
         return (w / w.sum()) @ self.theta[cand]
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
         cands = [self.candidates(int(i), t) for i in clients]
         start = torch.stack([self.start_model(int(i), c) for i, c in zip(clients, cands)])
@@ -115,4 +115,4 @@ class FedFomo(WithTrainer, Algorithm):
         self.theta[idx] = self.receive(res.states, clients, ref=start)
         self.online = idx
         down = self.engine.n_state * sum(len(c) for c in cands)
-        return {"train_loss": res.loss.mean(), **self.comm(clients, down=down)}
+        return RoundReport(res.loss.mean(), self.comm(clients, down=down))

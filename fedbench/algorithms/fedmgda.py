@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._qp import gram, min_norm_weights
-from fedbench.algorithms.base import ALGORITHMS, Algorithm, TrainedOrGlobal
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, TrainedOrGlobal
 from fedbench.algorithms.params import fraction, positive
 
 log = logging.getLogger("fedbench")
@@ -60,7 +60,7 @@ class FedMGDA(TrainedOrGlobal, Algorithm):
         self.fallbacks = 0
         self.last_lambda: np.ndarray | None = None
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         P = self.engine.n_params
         res = self.local_train(self.w, clients, t)
         states = self.receive(res.states, clients, ref=self.w, kind="model")
@@ -87,11 +87,9 @@ class FedMGDA(TrainedOrGlobal, Algorithm):
         if self.engine.n_state > P:
             new[P:] = lam0_all @ states[:, P:]
         self.w = new
-        return {
-            "train_loss": res.loss.mean(),
-            **self.comm(clients),
-            "qp_fallback_rounds": self.fallbacks,
-        }
+        return RoundReport(
+            res.loss.mean(), self.comm(clients), {"qp_fallback_rounds": self.fallbacks}
+        )
 
     def server_lr(self, t: int) -> float:
         """The server's step on the normalized direction: `server_lr`, or optim.lr_at(t)."""

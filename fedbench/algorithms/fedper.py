@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._shared import state_entries
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, hp
 from fedbench.errors import ConfigError
 
@@ -74,7 +74,7 @@ class FedPer(Algorithm):
         s[:, self.personal_entries] = self.personal[torch.as_tensor(clients, device=self.device)]
         return s
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         res = self.local_train(self.states_of(clients), clients, t)
         idx = torch.as_tensor(clients, device=self.device)
         self.personal[idx] = res.states[:, self.personal_entries]
@@ -82,7 +82,7 @@ class FedPer(Algorithm):
         avg = self.weights(clients, self.hp.weighting) @ up
         self.base = torch.where(self.personal_entries, self.base, avg)
         n = len(clients) * (self.engine.n_state - int(self.personal_entries.sum()))
-        return {"train_loss": res.loss.mean(), **self.comm(clients, up=n, down=n)}
+        return RoundReport(res.loss.mean(), self.comm(clients, up=n, down=n))
 
     def personal_state(self, i: int) -> torch.Tensor:
         return self.states_of([i])[0]

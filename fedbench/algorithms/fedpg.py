@@ -70,7 +70,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._qp import gram, min_norm_weights
-from fedbench.algorithms.base import ALGORITHMS, Algorithm, TrainedOrGlobal
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, TrainedOrGlobal
 from fedbench.algorithms.params import hp, nonneg, positive
 
 log = logging.getLogger("fedbench")
@@ -334,7 +334,7 @@ class FedPG(TrainedOrGlobal, Algorithm):
         self.counts = torch.zeros(3, dtype=torch.long)
         self._warned = False
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         clients = np.asarray(clients)
         idx = torch.as_tensor(clients, device=self.device)
         prof = self.profiler
@@ -464,20 +464,19 @@ class FedPG(TrainedOrGlobal, Algorithm):
         self.w = new
         self.prev = self._mask(idx)
 
-    def round_info(self, clients, m: int, trials: int, step: float, train_loss) -> dict:
+    def round_info(self, clients, m: int, trials: int, step: float, train_loss) -> RoundReport:
         """The round's report; the line search queries the m online clients only: one step
         down, one loss up each."""
         C, P, D = len(clients), self.engine.n_params, self.engine.n_state
         up = C * (P + 1) + m * trials
         down = C * (D + P + 1) + m * trials
-        return {
-            "train_loss": train_loss,
-            **self.comm(clients, up=up, down=down),
+        diagnostics = {
             "qp_fallback_rounds": int(self.counts[0]),
             "history_rounds": int(self.counts[1]),
             "line_search_queries": int(self.counts[2]),
             "step": float(step),
         }
+        return RoundReport(train_loss, self.comm(clients, up=up, down=down), diagnostics)
 
     def _mask(self, idx: torch.Tensor) -> torch.Tensor:
         m = torch.zeros(self.N, dtype=torch.bool, device=self.device)

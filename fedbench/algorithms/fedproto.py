@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from fedbench.algorithms._shared import class_means
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, nonneg
 from fedbench.errors import ConfigError
 
@@ -87,7 +87,7 @@ class FedProto(Algorithm):
         target = torch.where(self.has_proto[y][:, None], self.protos[y], f.detach())
         return F.cross_entropy(model.head(f), y) + self.hp.lam * F.mse_loss(f, target)
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
         obj = self.objective if bool(self.has_proto.any()) else None
         res = self.local_train(self.theta[idx], clients, t, objective=obj)
@@ -100,10 +100,8 @@ class FedProto(Algorithm):
         counts = torch.stack([n for _, n in means])
         self.protos, self.has_proto = aggregate_prototypes(local, counts, self.hp.weighting)
         per_client = self.K * self.protos.shape[1]
-        return {
-            "train_loss": res.loss.mean(),
-            **self.comm(clients, up=len(clients) * per_client, down=len(clients) * per_client),
-        }
+        n = len(clients) * per_client
+        return RoundReport(res.loss.mean(), self.comm(clients, up=n, down=n))
 
     def personal_states(self) -> torch.Tensor:
         return self.theta

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._shared import state_entries
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, hp
 from fedbench.engine import TrainResult
 
@@ -73,14 +73,14 @@ class FedRep(Algorithm):
         )
 
     # ------------------------------------------------------------------ the contract
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         head = self.head_phase(self.states_of(clients), clients, t)
         body = self.body_phase(head.states, clients, t)
         self.heads[torch.as_tensor(clients, device=self.device)] = body.states[:, self.head_entries]
         up = self.receive(body.states, clients, ref=self.phi)  # the bodies (head entries unused)
         self.phi = self.weights(clients, self.hp.weighting) @ up
         n = len(clients) * (self.engine.n_state - int(self.head_mask.sum()))  # bodies moved
-        return {"train_loss": body.loss.mean(), **self.comm(clients, up=n, down=n)}
+        return RoundReport(body.loss.mean(), self.comm(clients, up=n, down=n))
 
     def personal_states(self) -> torch.Tensor:
         return self.states_of(np.arange(self.N))

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedbench.algorithms._shared import WithTrainer, make_engine, state_entries, train_on
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.errors import ConfigError
 
 
@@ -99,7 +99,7 @@ class FedRoD(WithTrainer, Algorithm):
         )
         self.log_prior = counts.float().log().to(self.device)  # [N, K], -inf where absent
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
         start = torch.where(self.shared, self.w, self.theta[idx])
         loss = partial(rod_loss, log_prior=self.log_prior[idx])
@@ -108,7 +108,7 @@ class FedRoD(WithTrainer, Algorithm):
         up = self.receive(res.states[:, self.shared], clients, ref=start[:, self.shared])
         self.w[self.shared] = self.weights(clients) @ up
         n = int(self.shared.sum()) * len(clients)
-        return {"train_loss": res.loss.mean(), **self.comm(clients, up=n, down=n)}
+        return RoundReport(res.loss.mean(), self.comm(clients, up=n, down=n))
 
     def personal_states(self) -> torch.Tensor:
         """[N, D'] in the two-head layout (`self.trainer.spec`; `personal_model` builds it)."""

@@ -51,7 +51,7 @@ from torch import nn
 
 from fedbench.algorithms._shared import dynamic_clients, dynamic_server
 from fedbench.algorithms._steps import grad_at
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import nonneg, positive
 from fedbench.engine.prox import (
     LayerRank,
@@ -141,7 +141,7 @@ class FedSLR(Algorithm):
         return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
 
     # ------------------------------------------------------------------ the contract
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
         sent = self.theta.clone()  # theta^t, the model the clients received
         gkr_sent = factorized_params(self.engine.spec, self.ranks)
@@ -162,12 +162,8 @@ class FedSLR(Algorithm):
             self.theta = z
         D, P, C = self.engine.n_state, self.engine.n_params, len(clients)
         down = C * (gkr_sent + D - P)  # the GKR factorized (+ buffers)
-        return {
-            "train_loss": res.loss.mean(),
-            "fusion_loss": fusion_loss.mean(),
-            **self.comm(clients, up=C * D, down=down),
-            **self.size_diagnostics(),
-        }
+        diagnostics = {"fusion_loss": fusion_loss.mean(), **self.size_diagnostics()}
+        return RoundReport(res.loss.mean(), self.comm(clients, up=C * D, down=down), diagnostics)
 
     def size_diagnostics(self) -> dict:
         nnz = self.p_nnz.float()  # [N] nonzeros of each p_i

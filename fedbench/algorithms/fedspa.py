@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._steps import grad_at
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import fraction, hp
 
 
@@ -97,7 +97,7 @@ class FedSpa(Algorithm):
             mi[drop] = False
             mi[grow] = True
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
         P = self.engine.n_params
         res_states, losses = [], []
@@ -119,11 +119,10 @@ class FedSpa(Algorithm):
         new[P:] = up[:, P:].mean(0)
         self.w = new
         nnz = int(m_old.sum()) + len(clients) * (self.engine.n_state - P)
-        return {
-            "train_loss": torch.stack(losses).mean(),
-            "density": float(self.masks.float().mean()),
-            **self.comm(clients, up=nnz, down=nnz),
-        }
+        density = float(self.masks.float().mean())
+        return RoundReport(
+            torch.stack(losses).mean(), self.comm(clients, up=nnz, down=nnz), {"density": density}
+        )
 
     def model_size(self) -> dict:
         return {"params_personal": float(self.masks.sum(1).float().mean())}

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._shared import state_entries
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.fedavg import FedAvgParams
 
 
@@ -46,14 +46,14 @@ class LGFedAvg(Algorithm):
         s[:, self.head_entries] = self.head
         return s
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
         res = self.local_train(self.states_of(clients), clients, t)
         self.bodies[idx] = res.states
         heads = self.receive(res.states[:, self.head_entries], clients, ref=self.head)
         self.head = self.weights(clients, self.hp.weighting) @ heads
         n = len(clients) * int(self.head_entries.sum())
-        return {"train_loss": res.loss.mean(), **self.comm(clients, up=n, down=n)}
+        return RoundReport(res.loss.mean(), self.comm(clients, up=n, down=n))
 
     def personal_state(self, i: int) -> torch.Tensor:
         s = self.bodies[i].clone()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import NoParams
 
 
@@ -22,11 +22,11 @@ class Local(Algorithm):
         super().__init__(cfg, fed, engine, model_fn, **kw)
         self.theta = engine.initial_state().repeat(self.N, 1)
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
         res = self.local_train(self.theta[idx], clients, t)
         self.theta[idx] = res.states
-        return {"train_loss": res.loss.mean(), **self.comm(clients, up=0, down=0)}
+        return RoundReport(res.loss.mean(), self.comm(clients, up=0, down=0))
 
     def personal_states(self) -> torch.Tensor:
         return self.theta

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._steps import grad_at
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, nonneg, positive
 from fedbench.engine.optim import step_
 
@@ -90,12 +90,12 @@ class PerFedAvg(Algorithm):
                 out[i, :P] -= self.hp.alpha * g
         return out
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         states, losses = zip(*(self.meta_train(int(i), t) for i in clients))
         up = self.receive(torch.stack(states), clients, ref=self.w)
         self.w = self.weights(clients, self.hp.weighting) @ up
         self.theta = self.personalize(t)
-        return {"train_loss": torch.stack(losses).mean(), **self.comm(clients)}
+        return RoundReport(torch.stack(losses).mean(), self.comm(clients))
 
     def global_state(self) -> torch.Tensor:
         return self.w

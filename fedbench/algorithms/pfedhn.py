@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._steps import clip_, grad_at
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import hp, nonneg, positive
 from fedbench.engine import ModelSpec, OptimConfig
 from fedbench.engine.optim import init_state, step_
@@ -209,7 +209,7 @@ class PFedHN(Algorithm):
         return self.hypernet_grad(i, delta), s, loss
 
     # ------------------------------------------------------------------ the contract
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         grads, states, losses = [], [], []
         for i in clients:
             g, s, loss = self.visit(int(i), t)
@@ -225,10 +225,8 @@ class PFedHN(Algorithm):
         self.shared = torch.where(self.shared_entries, avg, self.shared)
         n_gen, n_shared = int(self.gen_mask.sum()), int(self.shared_entries.sum())
         c = len(clients)
-        return {
-            "train_loss": torch.stack(losses).mean(),
-            **self.comm(clients, up=c * (n_gen + n_shared), down=c * (n_gen + n_shared)),
-        }
+        n = c * (n_gen + n_shared)
+        return RoundReport(torch.stack(losses).mean(), self.comm(clients, up=n, down=n))
 
     @torch.no_grad()
     def personal_state(self, i: int) -> torch.Tensor:

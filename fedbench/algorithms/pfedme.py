@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._steps import grad_at
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import hp, nonneg, positive
 
 
@@ -81,7 +81,7 @@ class PFedMe(Algorithm):
             w[P:] = theta[P:]  # float buffers (BatchNorm statistics) follow the forward
         return theta, w, torch.stack(losses).mean()
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         thetas, ws, losses = zip(*(self.client(int(i), t) for i in clients))
         idx = torch.as_tensor(clients, device=self.device)
         self.theta[idx] = torch.stack(thetas)
@@ -95,7 +95,7 @@ class PFedMe(Algorithm):
         b = min(beta, 1.0)  # buffers: a convex mix, even where beta > 1 extrapolates weights
         w[P:] = (1 - b) * self.w[P:] + b * avg[P:]
         self.w = w
-        return {"train_loss": torch.stack(losses).mean(), **self.comm(clients)}
+        return RoundReport(torch.stack(losses).mean(), self.comm(clients))
 
     def personal_states(self) -> torch.Tensor:
         own = self.theta if self.hp.eval_model == "theta" else self.local

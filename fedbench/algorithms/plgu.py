@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._steps import grad_at
-from fedbench.algorithms.base import ALGORITHMS, Algorithm, TrainedOrGlobal
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, TrainedOrGlobal
 from fedbench.algorithms.fedrep import FedRep
 from fedbench.algorithms.params import Weighting, hp, nonneg
 from fedbench.algorithms.pfedhn import PFedHN, PFedHNParams
@@ -161,13 +161,13 @@ class PLGULF(TrainedOrGlobal, Algorithm):
         eng.optim_states.keep(self.optim, "universal", i, st_u)
         return theta, w, torch.stack(losses).mean()
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         thetas, ws, losses = zip(*(self.client(int(i), t) for i in clients))
         idx = torch.as_tensor(clients, device=self.device)
         self.set_trained(idx, torch.stack(thetas))
         delta = self.receive(torch.stack(ws), clients, ref=self.w) - self.w  # Alg. 2 line 10
         self.w = self.w + self.weights(clients, self.hp.weighting) @ delta  # line 11
-        return {"train_loss": torch.stack(losses).mean(), **self.comm(clients)}
+        return RoundReport(torch.stack(losses).mean(), self.comm(clients))
 
 
 @ALGORITHMS.register("plgu_grep")

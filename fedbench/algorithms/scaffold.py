@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import positive
 from fedbench.engine.terms import correction
 from fedbench.errors import ConfigError
@@ -58,7 +58,7 @@ class Scaffold(Algorithm):
         self.c = torch.zeros(P, device=self.device)  # [P] server control variate
         self.c_i = torch.zeros(self.N, P, device=self.device)  # [N, P] clients' control variates
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
         P = self.engine.n_params
         ci = self.c_i[idx]
@@ -74,10 +74,7 @@ class Scaffold(Algorithm):
         self.x = new
         self.c = self.c + (len(clients) / self.N) * dc.mean(0)
         D, C = self.engine.n_state, len(clients)
-        return {
-            "train_loss": res.loss.mean(),
-            **self.comm(clients, up=C * (D + P), down=C * (D + P)),
-        }
+        return RoundReport(res.loss.mean(), self.comm(clients, up=C * (D + P), down=C * (D + P)))
 
     def global_state(self) -> torch.Tensor:
         return self.x

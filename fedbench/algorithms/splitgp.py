@@ -30,7 +30,7 @@ from torch import nn
 
 from fedbench.algorithms._shared import WithTrainer, make_engine, state_entries, train_on
 from fedbench.algorithms.apfl import base_columns
-from fedbench.algorithms.base import ALGORITHMS, Algorithm
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import fraction
 from fedbench.errors import ConfigError
 
@@ -88,7 +88,7 @@ class SplitGP(WithTrainer, Algorithm):
         self.rows = self.trainer.initial_state().repeat(self.N, 1)  # [N, D']
         self.seen = torch.zeros(self.N, dtype=torch.bool, device=dev)
 
-    def round(self, t: int, clients: np.ndarray) -> dict:
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
         gamma = self.hp.gamma
         start = self.rows[idx].clone()
@@ -107,7 +107,7 @@ class SplitGP(WithTrainer, Algorithm):
         self.rows[idx] = states
         self.seen[idx] = True
         self.g = avg
-        return {"train_loss": res.loss.mean(), **self.comm(clients)}
+        return RoundReport(res.loss.mean(), self.comm(clients))
 
     def personal_state(self, i: int) -> torch.Tensor:
         if not bool(self.seen[i]):
