@@ -143,6 +143,7 @@ def _unknown_key_message(
 
     node = OmegaConf.select(cfg, parent) if parent else cfg
     valid = [str(k) for k in node if k != "hydra"] if node is not None else []
+    valid.sort(key=lambda k: GROUPS.index(k) if k in GROUPS else len(GROUPS))  # groups first
     if parent == "algo":
         name = cfg.algo.name
         valid = [k for k in valid if k != "name"]
@@ -291,15 +292,12 @@ def _experiment_hint(err: Exception) -> str | None:
 
 
 def _check_job(cfg, where: str) -> None:
-    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from fedbench.config import check_config
+    from fedbench.config import check_config, task_config
 
     try:
-        task = OmegaConf.create(
-            {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "hydra"}
-        )
+        task = task_config(cfg)
         check_config(task)
         from fedbench.runner import resolve_device
 
@@ -313,6 +311,7 @@ def _check_job(cfg, where: str) -> None:
 def _plan_dirs(plan: Plan, cfg, overrides: list[str]) -> None:
     from omegaconf import OmegaConf
 
+    from fedbench.config import task_config
     from fedbench.rundir import RunDirError, check_writable, holds_run
     from fedbench.runner import check_resume
 
@@ -341,9 +340,7 @@ def _plan_dirs(plan: Plan, cfg, overrides: list[str]) -> None:
             "resume=true to continue that run, or choose another directory"
         )
     if resume:
-        task = OmegaConf.create(
-            {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "hydra"}
-        )
+        task = task_config(cfg)
         try:
             check_resume(task, where)
         except FedbenchError as e:
@@ -405,6 +402,7 @@ def _make_task(plan: Plan):
         from fedbench.runner import Interrupted, Run, final_table, objective
 
         hc = HydraConfig.get()
+        cfg.algo.name = str(cfg.algo.name)  # the chosen option, saved as a plain value
         out = Path(hc.runtime.output_dir)
         multirun = hc.mode == RunMode.MULTIRUN
         files = {

@@ -15,12 +15,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from omegaconf import DictConfig, OmegaConf
 
 from fedbench.algorithms.params import check_node, fraction, hp, nonneg, positive
 from fedbench.errors import ConfigError
+from fedbench.trees import plain
 
 # The largest seed: every generator the run seeds (numpy, torch, CUDA) takes 32 bits.
 MAX_SEED = 2**32 - 1
@@ -257,22 +258,14 @@ OPTIONAL = {"model": {"layer_unit": Literal["op_norm", "module"]}}
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
 
-def plain(cfg: DictConfig | dict | None) -> dict:
-    """The config as plain resolved containers ({} for None)."""
-    if cfg is None:
-        return {}
-    if isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(cfg, resolve=True)
-    return dict(cfg)
-
-
-def flat_items(node: Any, prefix: str = "") -> dict[str, Any]:
-    """{dotted key: leaf value} of a plain nested dict (lists are leaves)."""
-    if not isinstance(node, dict):
-        return {prefix: node}
-    out: dict[str, Any] = {}
-    for k, v in node.items():
-        out.update(flat_items(v, f"{prefix}.{k}" if prefix else str(k)))
+def task_config(cfg: DictConfig) -> DictConfig:
+    """The run's config from one Hydra composed: its `hydra` node dropped, and the chosen
+    algorithm's name (`${fedbench.choice:algo}`, conf/config.yaml) resolved to a plain
+    value while the choice is still known, so that the config saved with the run, checked
+    and compared on resume carries the name itself."""
+    name = str(cfg.algo.name)
+    out = OmegaConf.create({k: v for k, v in OmegaConf.to_container(cfg).items() if k != "hydra"})
+    out.algo.name = name
     return out
 
 

@@ -34,7 +34,7 @@ import fedbench
 from fedbench.algorithms import ALGORITHMS
 from fedbench.algorithms.base import FLOAT_BYTES, RoundReport
 from fedbench.attack import Attack
-from fedbench.config import check_config, flat_items, plain
+from fedbench.config import check_config
 from fedbench.data.federation import Federation
 from fedbench.data.sources import load_dataset
 from fedbench.data.splits import eval_sets, make_partition
@@ -46,6 +46,7 @@ from fedbench.models import build_model
 from fedbench.report.partition import partition_counts
 from fedbench.rundir import RunDir, holds_run
 from fedbench.tracking import Sinks
+from fedbench.trees import flat_items, plain
 
 log = logging.getLogger("fedbench")
 

@@ -71,9 +71,9 @@ class Sweep:
 def sweep_cells(overrides: list[str], user_dirs: tuple[str, ...] = ()) -> Sweep:
     """Every cell of one `fedbench -m <overrides>` sweep, with its state."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
     from fedbench.cli import _jobs
+    from fedbench.config import task_config
     from fedbench.paths import CONF_DIR
 
     if not any(o.startswith("hydra.sweep.dir=") for o in overrides):
@@ -102,9 +102,7 @@ def sweep_cells(overrides: list[str], user_dirs: tuple[str, ...] = ()) -> Sweep:
             except Exception as e:  # noqa: BLE001 (Hydra's and OmegaConf's errors)
                 raise StatusError(f"fedbench-status: {' '.join(job)}: {e}") from None
             path = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
-            task = OmegaConf.create(
-                {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "hydra"}
-            )
+            task = task_config(cfg)
             cells.append(cell_state(task, path))
             if num == 0:
                 at_once = parallelism(cfg.hydra.launcher)

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from fedbench.config import flat_items
 from fedbench.errors import ConfigError
+from fedbench.trees import flat_items
 
 log = logging.getLogger("fedbench")
 

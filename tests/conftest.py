@@ -52,9 +52,11 @@ def compose(overrides: list[str]):
     from hydra import initialize_config_dir
 
     from fedbench.cli import CONF_DIR
+    from fedbench.config import task_config
 
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        return hydra_compose(config_name="config", overrides=overrides)
+        cfg = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    return task_config(cfg)
 
 
 # A small real-FMNIST federation for "learns" tests: 20 clients, pat-2, 150 train / 100 test

@@ -1,8 +1,8 @@
 """Typed hyperparameters: every algorithm's keys, their types and ranges, checked once.
 
 Each algorithm class names a dataclass `Params` whose fields are exactly the keys of its
-YAML (`conf/algo/<name>.yaml`, where the defaults and their comments live; `name` is
-implicit). The annotation is the type (`float`, `int | None`, `Literal["a", "b"]`,
+YAML (`conf/algo/<name>.yaml`, where the defaults and their comments live; `name` is the
+file's, conf/config.yaml). The annotation is the type (`float`, `int | None`, `Literal["a", "b"]`,
 `list[int]`, a nested `Params` dataclass for a sub-group such as pFedHN's `hypernet`), and
 `hp(ge=..., gt=..., le=..., lt=...)` adds a range. `check_params` runs before the algorithm
 is built: a mistyped key, a wrong type or a value out of range is one line naming the key
