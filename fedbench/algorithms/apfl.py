@@ -84,9 +84,8 @@ class APFLParams:
     adaptive: bool
 
 
-@ALGORITHMS.register("apfl")
+@ALGORITHMS.register()
 class APFL(WithTrainer, Algorithm):
-    name = "apfl"
     Params = APFLParams
     has_global = True
     attackable = True

@@ -68,9 +68,8 @@ def reg_schedule(r: int, L: int, kind: str = "exp") -> float:
     return 0.001 ** (r / L)
 
 
-@ALGORITHMS.register("apple")
+@ALGORITHMS.register()
 class APPLE(Algorithm):
-    name = "apple"
     personal_rows = "theta"
     Params = APPLEParams
     attackable = True

@@ -37,9 +37,8 @@ class DittoParams:
     weighting: Weighting  # server average: samples | uniform
 
 
-@ALGORITHMS.register("ditto")
+@ALGORITHMS.register()
 class Ditto(TrainedOrGlobal, Algorithm):
-    name = "ditto"
     Params = DittoParams
     attackable = True
     state_keys = ("w", "theta", "seen")

@@ -91,9 +91,8 @@ def model_distance_loss(w: torch.Tensor, i: int, tau: float) -> torch.Tensor:
     return torch.log_softmax(d, dim=0).mean()
 
 
-@ALGORITHMS.register("diversifed")
+@ALGORITHMS.register()
 class DiversiFed(Algorithm):
-    name = "diversifed"
     personal_rows = "w"
     Params = DiversiFedParams
     attackable = True

@@ -58,9 +58,8 @@ def attention_weights(w: torch.Tensor, alpha_k: float, sigma: float) -> torch.Te
     return xi
 
 
-@ALGORITHMS.register("fedamp")
+@ALGORITHMS.register()
 class FedAMP(Algorithm):
-    name = "fedamp"
     personal_rows = "w"
     Params = FedAMPParams
     attackable = True

@@ -34,9 +34,8 @@ class FedProxParams(FedAvgParams):
     mu: float = nonneg()  # proximal weight, >= 0
 
 
-@ALGORITHMS.register("fedavg")
+@ALGORITHMS.register()
 class FedAvg(TrainedOrGlobal, Algorithm):
-    name = "fedavg"
     Params = FedAvgParams
     attackable = True
     state_keys = ("w", "theta", "seen")
@@ -60,7 +59,6 @@ class FedAvg(TrainedOrGlobal, Algorithm):
 
 @ALGORITHMS.register("fedprox")
 class FedProx(FedAvg):
-    name = "fedprox"
     Params = FedProxParams
 
     def terms(self) -> list:

@@ -86,9 +86,8 @@ def collaborators(ov: torch.Tensor, t: int, beta: float) -> torch.Tensor:
     return (ov >= threshold) | eye
 
 
-@ALGORITHMS.register("fedcac")
+@ALGORITHMS.register()
 class FedCAC(Algorithm):
-    name = "fedcac"
     personal_rows = "theta"
     Params = FedCACParams
     attackable = True

@@ -35,9 +35,8 @@ class FedDynParams:
     alpha: float = positive()
 
 
-@ALGORITHMS.register("feddyn")
+@ALGORITHMS.register()
 class FedDyn(Algorithm):
-    name = "feddyn"
     Params = FedDynParams
     has_personal = False
     has_global = True

@@ -49,9 +49,8 @@ class FedFomoParams:
     val_frac: float = hp(gt=0, lt=1)  # fraction of each client's data held out
 
 
-@ALGORITHMS.register("fedfomo")
+@ALGORITHMS.register()
 class FedFomo(WithTrainer, Algorithm):
-    name = "fedfomo"
     personal_rows = "theta"
     Params = FedFomoParams
     attackable = True

@@ -46,9 +46,8 @@ def box_weights(gh: torch.Tensor, lam0: np.ndarray, eps: float) -> np.ndarray | 
     return min_norm_weights(gram(gh), lo=lam0 - eps, hi=lam0 + eps)
 
 
-@ALGORITHMS.register("fedmgda")
+@ALGORITHMS.register()
 class FedMGDA(TrainedOrGlobal, Algorithm):
-    name = "fedmgda"
     Params = FedMGDAParams
     attackable = True
     state_keys = ("w", "theta", "seen", "fallbacks")

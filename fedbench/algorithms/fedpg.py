@@ -301,7 +301,7 @@ class SectionTimer(NoProfiler):
 
 
 # ---------------------------------------------------------------------- the algorithm
-@ALGORITHMS.register("fedpg")
+@ALGORITHMS.register()
 class FedPG(TrainedOrGlobal, Algorithm):
     """FedPG: `round` is the module docstring's steps 1-7 in order, one call each.
 
@@ -316,7 +316,6 @@ class FedPG(TrainedOrGlobal, Algorithm):
     the runner reads it on evaluation rounds only. `profiler` (default `NoProfiler`) times
     the sections: `SectionTimer` opts in."""
 
-    name = "fedpg"
     Params = FedPGParams
     attackable = True
     state_keys = ("w", "theta", "seen", "hist", "last", "prev", "counts")
@@ -488,7 +487,6 @@ class FedPG(TrainedOrGlobal, Algorithm):
 class SFedPG(FedPG):
     """S-FedPG: FedPG with appendix Algorithm 1's step size (step 7; see `FedPG`)."""
 
-    name = "sfedpg"
     Params = SFedPGParams
 
     def step_size(

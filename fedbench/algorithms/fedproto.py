@@ -64,9 +64,8 @@ def nearest_prototype(features: torch.Tensor, protos: torch.Tensor, has: torch.T
     return d.masked_fill(~has[None], float("inf")).argmin(1)
 
 
-@ALGORITHMS.register("fedproto")
+@ALGORITHMS.register()
 class FedProto(Algorithm):
-    name = "fedproto"
     Params = FedProtoParams
     attackable = True
     state_keys = ("theta", "protos", "has_proto")

@@ -37,9 +37,8 @@ class FedRepParams:
     weighting: Weighting  # body average: samples (n_k / n) | uniform (1/C)
 
 
-@ALGORITHMS.register("fedrep")
+@ALGORITHMS.register()
 class FedRep(Algorithm):
-    name = "fedrep"
     Params = FedRepParams
     attackable = True
     state_keys = ("phi", "heads")

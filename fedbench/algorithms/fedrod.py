@@ -71,9 +71,8 @@ def rod_loss(model: TwoHeadModel, x, y, c, log_prior: torch.Tensor) -> torch.Ten
     return generic + personal
 
 
-@ALGORITHMS.register("fedrod")
+@ALGORITHMS.register()
 class FedRoD(WithTrainer, Algorithm):
-    name = "fedrod"
     Params = FedRoDParams
     attackable = True
     has_global = True

@@ -74,9 +74,8 @@ class FedSLRParams:
     prox_solver: Literal["svd", "svd64", "gram"]
 
 
-@ALGORITHMS.register("fedslr")
+@ALGORITHMS.register()
 class FedSLR(Algorithm):
-    name = "fedslr"
     Params = FedSLRParams
     has_personal = True
     has_global = True

@@ -42,9 +42,8 @@ class FedSpaParams:
     dense_1d: bool
 
 
-@ALGORITHMS.register("fedspa")
+@ALGORITHMS.register()
 class FedSpa(Algorithm):
-    name = "fedspa"
     Params = FedSpaParams
     attackable = True
     state_keys = ("w", "masks")

@@ -25,9 +25,8 @@ from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.fedavg import FedAvgParams
 
 
-@ALGORITHMS.register("lg_fedavg")
+@ALGORITHMS.register()
 class LGFedAvg(Algorithm):
-    name = "lg_fedavg"
     Params = FedAvgParams
     attackable = True
     state_keys = ("bodies", "head")

@@ -12,9 +12,8 @@ from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import NoParams
 
 
-@ALGORITHMS.register("local")
+@ALGORITHMS.register()
 class Local(Algorithm):
-    name = "local"
     Params = NoParams
     state_keys = ("theta",)
 

@@ -45,9 +45,8 @@ class PerFedAvgParams:
 PERSONAL_SALT = 1  # the personalization step's batch stream, apart from training's
 
 
-@ALGORITHMS.register("perfedavg")
+@ALGORITHMS.register()
 class PerFedAvg(Algorithm):
-    name = "perfedavg"
     personal_rows = "theta"
     Params = PerFedAvgParams
     attackable = True

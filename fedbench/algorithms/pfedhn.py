@@ -82,9 +82,8 @@ def _millions(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-@ALGORITHMS.register("pfedhn")
+@ALGORITHMS.register()
 class PFedHN(Algorithm):
-    name = "pfedhn"
     Params = PFedHNParams
     attackable = True
     state_keys = ("phi", "phi_buf", "heads", "shared")

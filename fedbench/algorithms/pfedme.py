@@ -45,9 +45,8 @@ class PFedMeParams:
     eval_model: Literal["theta", "local"]  # personalized model: theta_i | w_i
 
 
-@ALGORITHMS.register("pfedme")
+@ALGORITHMS.register()
 class PFedMe(Algorithm):
-    name = "pfedme"
     Params = PFedMeParams
     has_global = True
     attackable = True

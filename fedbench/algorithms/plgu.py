@@ -111,7 +111,6 @@ def score_rule(hp) -> str:
 
 @ALGORITHMS.register("plgu_lf")
 class PLGULF(TrainedOrGlobal, Algorithm):
-    name = "plgu_lf"
     Params = PLGULFParams
     attackable = True
     state_keys = ("w", "theta", "seen")
@@ -172,7 +171,6 @@ class PLGULF(TrainedOrGlobal, Algorithm):
 
 @ALGORITHMS.register("plgu_grep")
 class PLGUGRep(FedRep):
-    name = "plgu_grep"
     Params = PLGUGRepParams
     state_keys = ("phi", "heads", "uploaded")
 
@@ -221,7 +219,6 @@ class PLGUGRep(FedRep):
 
 @ALGORITHMS.register("plgu_ghn")
 class PLGUGHN(PFedHN):
-    name = "plgu_ghn"
     Params = PLGUGHNParams
 
     def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:

@@ -29,7 +29,6 @@ class FedSAMParams(FedAvgParams):
 
 @ALGORITHMS.register("fedsam")
 class FedSAM(FedAvg):
-    name = "fedsam"
     Params = FedSAMParams
 
     def local_train(self, states, clients, t, **kw):

@@ -37,9 +37,8 @@ class ScaffoldParams:
     global_lr: float = positive()
 
 
-@ALGORITHMS.register("scaffold")
+@ALGORITHMS.register()
 class Scaffold(Algorithm):
-    name = "scaffold"
     Params = ScaffoldParams
     has_personal = False
     has_global = True

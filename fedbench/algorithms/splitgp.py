@@ -61,9 +61,8 @@ class SplitGPParams:
     eval_head: Literal["global", "client"]
 
 
-@ALGORITHMS.register("splitgp")
+@ALGORITHMS.register()
 class SplitGP(WithTrainer, Algorithm):
-    name = "splitgp"
     Params = SplitGPParams
     has_global = True
     attackable = True
