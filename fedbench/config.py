@@ -249,7 +249,42 @@ MODEL = {
     "wrn28_10": WrnModel,
 }
 
-GROUPS = {"data": DATA, "split": SPLIT, "model": MODEL}
+# ------------------------------------------------------------------ server optimizer options
+# (fedbench/algorithms/_server.py; the keys of conf/server_opt/<name>.yaml)
+
+
+@dataclass
+class NoServerOpt:
+    pass
+
+
+@dataclass
+class SgdServerOpt:
+    lr: float = positive()
+    momentum: float = hp(ge=0, lt=1)
+
+
+@dataclass
+class AdagradServerOpt:
+    lr: float = positive()
+    beta1: float = hp(ge=0, lt=1)
+    tau: float = positive()
+
+
+@dataclass
+class AdamServerOpt(AdagradServerOpt):
+    beta2: float = hp(ge=0, lt=1)
+
+
+SERVER_OPT = {
+    "none": NoServerOpt,
+    "sgd": SgdServerOpt,
+    "adagrad": AdagradServerOpt,
+    "adam": AdamServerOpt,
+    "yogi": AdamServerOpt,
+}
+
+GROUPS = {"data": DATA, "split": SPLIT, "model": MODEL, "server_opt": SERVER_OPT}
 
 # `model.layer_unit` is accepted by every model (fedbench/models/registry.py) without being in
 # a YAML; an override adds it with `+model.layer_unit=...`.
@@ -277,7 +312,8 @@ def check_config(cfg: DictConfig | dict) -> None:
     from fedbench.algorithms.params import check_params
 
     node = {k: v for k, v in plain(cfg).items() if k != "hydra"}
-    groups = {g: node.pop(g, None) for g in ("data", "split", "model", "algo")}
+    node.setdefault("server_opt", {"name": "none"})  # a config saved before server_opt
+    groups = {g: node.pop(g, None) for g in ("data", "split", "model", "algo", "server_opt")}
     for g, value in groups.items():
         if not isinstance(value, dict) or "name" not in value:
             raise ConfigError(f"{g}: missing from the config (conf/config.yaml's defaults)")
@@ -295,7 +331,15 @@ def check_config(cfg: DictConfig | dict) -> None:
             sub.pop(key, None)
         check_node(sub, options[name], g, f"{g}={name}", f"conf/{g}/{name}.yaml")
     algo = str(groups["algo"]["name"])
-    check_params(groups["algo"], ALGORITHMS.get(algo).Params, algo)
+    algo_cls = ALGORITHMS.get(algo)
+    check_params(groups["algo"], algo_cls.Params, algo)
+    server_opt = groups["server_opt"]["name"]
+    if server_opt != "none" and not algo_cls.server_optimizable:
+        able = sorted(n for n in ALGORITHMS.names() if ALGORITHMS.get(n).server_optimizable)
+        raise ConfigError(
+            f"server_opt={server_opt}: algo={algo}'s server does not average uploads into one "
+            f"model; a server optimizer applies to {', '.join(able)}"
+        )
     _check_together(node, groups)
 
 

@@ -173,6 +173,10 @@ def _log_file(path: Path) -> Iterator[None]:
 # numbers or a column's meaning (eval.s_frac makes the S sets, eval.tail top5/bottom5): a
 # resume that changes it stops. (`rounds` may grow: APPLE's L = l_frac * rounds and FedSpa's cosine
 # schedule follow it.)
+# Keys added to the config after runs were saved, with the value a run without them had: a
+# resume or resume=auto of such a run is not refused for the key's absence.
+ABSENT_MEANS = {"server_opt.name": "none"}
+
 RESUME_MAY_CHANGE = (
     "rounds",
     "eval.every",
@@ -197,6 +201,8 @@ def resume_differences(saved: dict, now: dict) -> list[str]:
         if any(k == p or k.startswith(p + ".") for p in RESUME_MAY_CHANGE):
             continue
         va, vb = a.get(k, missing), b.get(k, missing)
+        if va is missing and ABSENT_MEANS.get(k, missing) == vb:
+            continue  # a key added since the run was saved, at the value that changes nothing
         if va != vb:
             show = lambda v: "absent" if v is missing else repr(v)  # noqa: E731
             out.append(f"{k} ({show(va)} -> {show(vb)})")

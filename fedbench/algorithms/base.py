@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedbench.algorithms._server import ServerOptimizer, ServerOptSettings
 from fedbench.algorithms.params import typed_params
 from fedbench.engine import Engine, OptimConfig, TrainResult
 from fedbench.errors import ConfigError
@@ -82,6 +83,7 @@ class RunSettings:
     rounds: int  # communication rounds T (`rounds`)
     seed: int  # the run's seed (`seed`)
     optimizer: OptimConfig  # the run's local optimizer (`optim`)
+    server_opt: ServerOptSettings  # the server's optimizer (`server_opt`, averaging servers)
 
     @classmethod
     def from_cfg(cls, cfg) -> RunSettings:
@@ -91,6 +93,7 @@ class RunSettings:
             rounds=int(cfg.rounds),
             seed=int(cfg.seed),
             optimizer=OptimConfig.from_cfg(cfg.optim),
+            server_opt=ServerOptSettings.from_cfg(cfg.get("server_opt")),
         )
 
 
@@ -125,6 +128,9 @@ class Algorithm:
     Params: ClassVar[type | None] = None  # every algorithm declares one (tests/test_params.py)
     attackable: ClassVar[bool] = False
     personal_rows: ClassVar[str | None] = None  # a stored [N, D] attribute of deployed states
+    # True where the server averages uploads into one model through `server_step`, so that
+    # `server_opt` (FedAvgM, FedAdagrad, FedAdam, FedYogi; algorithms/_server.py) applies
+    server_optimizable: ClassVar[bool] = False
 
     def __init__(self, cfg, fed, engine: Engine, model_fn, *, attack: Attack | None = None) -> None:
         # every way of building one checks the hyperparameters
@@ -136,6 +142,7 @@ class Algorithm:
         self.device = engine.device
         self.N = fed.num_clients
         self.attack = attack  # the run's malicious clients, None without (fedbench.attack)
+        self.server_opt = ServerOptimizer(self.run.server_opt)
 
     @property
     def optim(self) -> OptimConfig:
@@ -241,13 +248,32 @@ class Algorithm:
         g = self.global_state()
         return None if g is None else self.engine.to_module(g, self.model_fn())
 
+    def server_step(
+        self,
+        key: str,
+        x: torch.Tensor,
+        avg: torch.Tensor,
+        params: torch.Tensor | slice | None = None,
+    ) -> torch.Tensor:
+        """The server's new `x` from the clients' average `avg`: `avg` itself, or the step of
+        the run's `server_opt` (its state kept under `key`). `params`: which entries are
+        parameters (default: a whole state [D], its first `engine.n_params`)."""
+        if params is None:
+            params = slice(0, self.engine.n_params)
+        return self.server_opt.step(key, x, avg, params)
+
     def state_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.state_keys}
+        state = {k: getattr(self, k) for k in self.state_keys}
+        if self.server_opt.active:
+            state["server_opt"] = self.server_opt.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for k in self.state_keys:
             v = state[k]
             setattr(self, k, v.to(self.device) if isinstance(v, torch.Tensor) else v)
+        if self.server_opt.active:
+            self.server_opt.load_state_dict(state.get("server_opt", {}), self.device)
 
 
 class TrainedOrGlobal:

@@ -41,6 +41,7 @@ class DittoParams:
 class Ditto(TrainedOrGlobal, Algorithm):
     Params = DittoParams
     attackable = True
+    server_optimizable = True  # server_opt steps on the average
     state_keys = ("w", "theta", "seen")
 
     def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
@@ -93,5 +94,5 @@ class Ditto(TrainedOrGlobal, Algorithm):
             theta, local, loss = pers.states, glob.states, glob.loss
         self.set_trained(idx, theta)
         up = self.receive(local, clients, ref=self.w)
-        self.w = self.weights(clients, self.hp.weighting) @ up
+        self.w = self.server_step("w", self.w, self.weights(clients, self.hp.weighting) @ up)
         return RoundReport(loss.mean(), self.comm(clients))

@@ -38,6 +38,7 @@ class FedProxParams(FedAvgParams):
 class FedAvg(TrainedOrGlobal, Algorithm):
     Params = FedAvgParams
     attackable = True
+    server_optimizable = True  # server_opt steps on the average
     state_keys = ("w", "theta", "seen")
 
     def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
@@ -53,7 +54,7 @@ class FedAvg(TrainedOrGlobal, Algorithm):
         idx = torch.as_tensor(clients, device=self.device)
         self.set_trained(idx, res.states)
         up = self.receive(res.states, clients, ref=self.w)
-        self.w = self.weights(clients, self.hp.weighting) @ up
+        self.w = self.server_step("w", self.w, self.weights(clients, self.hp.weighting) @ up)
         return RoundReport(res.loss.mean(), self.comm(clients))
 
 

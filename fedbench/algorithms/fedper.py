@@ -47,6 +47,7 @@ class FedPerParams:
 class FedPer(Algorithm):
     Params = FedPerParams
     attackable = True
+    server_optimizable = True  # server_opt steps on the average
     state_keys = ("base", "personal")
 
     def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
@@ -80,6 +81,7 @@ class FedPer(Algorithm):
         self.personal[idx] = res.states[:, self.personal_entries]
         up = self.receive(res.states, clients, ref=self.base)  # the bases (personal unused)
         avg = self.weights(clients, self.hp.weighting) @ up
+        avg = self.server_step("base", self.base, avg)  # personal entries: discarded below
         self.base = torch.where(self.personal_entries, self.base, avg)
         n = len(clients) * (self.engine.n_state - int(self.personal_entries.sum()))
         return RoundReport(res.loss.mean(), self.comm(clients, up=n, down=n))

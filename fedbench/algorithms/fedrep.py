@@ -41,6 +41,7 @@ class FedRepParams:
 class FedRep(Algorithm):
     Params = FedRepParams
     attackable = True
+    server_optimizable = True  # server_opt steps on the average
     state_keys = ("phi", "heads")
 
     def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
@@ -77,7 +78,7 @@ class FedRep(Algorithm):
         body = self.body_phase(head.states, clients, t)
         self.heads[torch.as_tensor(clients, device=self.device)] = body.states[:, self.head_entries]
         up = self.receive(body.states, clients, ref=self.phi)  # the bodies (head entries unused)
-        self.phi = self.weights(clients, self.hp.weighting) @ up
+        self.phi = self.server_step("phi", self.phi, self.weights(clients, self.hp.weighting) @ up)
         n = len(clients) * (self.engine.n_state - int(self.head_mask.sum()))  # bodies moved
         return RoundReport(body.loss.mean(), self.comm(clients, up=n, down=n))
 

@@ -50,6 +50,7 @@ class PerFedAvg(Algorithm):
     personal_rows = "theta"
     Params = PerFedAvgParams
     attackable = True
+    server_optimizable = True  # server_opt steps on the average
     has_global = True
     state_keys = ("w", "theta")
 
@@ -92,7 +93,7 @@ class PerFedAvg(Algorithm):
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
         states, losses = zip(*(self.meta_train(int(i), t) for i in clients))
         up = self.receive(torch.stack(states), clients, ref=self.w)
-        self.w = self.weights(clients, self.hp.weighting) @ up
+        self.w = self.server_step("w", self.w, self.weights(clients, self.hp.weighting) @ up)
         self.theta = self.personalize(t)
         return RoundReport(torch.stack(losses).mean(), self.comm(clients))
 
