@@ -136,7 +136,7 @@ def test_experiment_without_plus_says_how(tmp_path):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("group", ["data", "split", "model"])
+@pytest.mark.parametrize("group", ["data", "split", "model", "server_opt"])
 def test_every_option_yaml_matches_its_schema(group):
     """The schema (fedbench/config.py) and conf/<group>/<option>.yaml name the same keys."""
     import dataclasses
@@ -160,7 +160,7 @@ def test_every_preset_and_option_passes_the_schema():
     for p in sorted((REPO / "conf" / "experiment").glob("*.yaml")):
         if not p.stem.endswith("common"):
             check_config(compose([f"+experiment={p.stem}"]))
-    for group in ("data", "split", "model", "algo"):
+    for group in ("data", "split", "model", "algo", "server_opt"):
         for p in sorted((REPO / "conf" / group).glob("*.yaml")):
             check_config(compose([f"{group}={p.stem}"]))
 
