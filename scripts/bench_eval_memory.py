@@ -94,6 +94,7 @@ def measure(args) -> list[dict]:
     sys.path.insert(0, str(ROOT))
     from fedbench.algorithms import ALGORITHMS
     from fedbench.cli import CONF_DIR
+    from fedbench.config import task_config
     from fedbench.engine import Engine
     from fedbench.evaluation import evaluate
     from fedbench.models import build_model
@@ -109,7 +110,12 @@ def measure(args) -> list[dict]:
     for spec in args.algos:
         name, _, mode = spec.partition(":")
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-            cfg = compose(config_name="config", overrides=[f"algo={name}", "device=cpu"])
+            cfg = compose(
+                config_name="config",
+                overrides=[f"algo={name}", "device=cpu"],
+                return_hydra_config=True,  # the algorithm's name is the option chosen
+            )
+        cfg = task_config(cfg)
         torch.manual_seed(0)
         engine = Engine(fed, model_fn(), device="cpu", eval_batch_size=args.test)
         algo = ALGORITHMS.get(name)(cfg, fed, engine, model_fn)

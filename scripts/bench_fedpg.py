@@ -29,6 +29,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from fedbench.algorithms.fedpg import SectionTimer
+from fedbench.config import task_config
 from fedbench.runner import Run
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -45,8 +46,9 @@ def build(algo: str, participation: float, device: str, tmp: Path) -> Run:
                 f"device={device}",
                 "optim.lr=0.05",
             ],
+            return_hydra_config=True,  # the algorithm's name is the option chosen
         )
-    return Run(cfg, tmp / f"{algo}_{participation}", progress=False)
+    return Run(task_config(cfg), tmp / f"{algo}_{participation}", progress=False)
 
 
 def sync(device: torch.device) -> None:
