@@ -76,6 +76,15 @@ SMALL_FMNIST = [
 ]
 
 
+# SMALL_FMNIST with a LeNet-5 CNN (BatchNorm) in place of the MLP.
+SMALL_FMNIST_BN_CNN = [
+    *(o for o in SMALL_FMNIST if not o.startswith("model")),
+    "model=cnn",
+    "model.preset=lenet",
+    "model.norm=batch",
+]
+
+
 def make_algo(algo: str, extra=(), fed=None, lr: float | None = 0.1):
     """Algorithm `algo` on TinyFed (3 clients with 37, 20, 50 samples, 6 features, 3
     classes), an MLP 6-8-3, batch 8, 1 epoch, optimizer lr `lr` (None: the config's).
@@ -93,28 +102,34 @@ def make_algo(algo: str, extra=(), fed=None, lr: float | None = 0.1):
     return ALGORITHMS.get(algo)(cfg, fed, eng, model_fn), eng, fed
 
 
-def run_small(tmp_path, overrides: list[str], rounds: int = 5):
-    """Run on SMALL_FMNIST (+ overrides) in tmp_path; returns (summary, Run)."""
+def run_small(tmp_path, overrides: list[str], rounds: int = 5, base: list[str] = SMALL_FMNIST):
+    """Run on `base` (SMALL_FMNIST) + overrides in tmp_path; returns (summary, Run)."""
     from fedbench.runner import Run
 
     if not fmnist_available():
         pytest.skip("Fashion-MNIST files not installed (apt-get install dataset-fashion-mnist)")
-    cfg = compose([*SMALL_FMNIST, f"rounds={rounds}", *overrides])
+    cfg = compose([*base, f"rounds={rounds}", *overrides])
     run = Run(cfg, tmp_path, progress=False)
     return run.run(), run
 
 
 def crash_and_resume(
-    tmp_path, monkeypatch, overrides: list[str], rounds: int, die_at: int, after_crash=None
+    tmp_path,
+    monkeypatch,
+    overrides: list[str],
+    rounds: int,
+    die_at: int,
+    after_crash=None,
+    base: list[str] = SMALL_FMNIST,
 ):
-    """Run on SMALL_FMNIST (+ overrides) uninterrupted in tmp_path/full; run again in
+    """Run on `base` (SMALL_FMNIST) + overrides uninterrupted in tmp_path/full; run again in
     tmp_path/run, killed (KeyboardInterrupt) as round `die_at` starts, then resumed from its
     last checkpoint with resume=true. `after_crash(run_dir)` checks the directory in between.
     Returns (the uninterrupted summary, the resumed one)."""
     from fedbench.runner import Run
 
-    full, _ = run_small(tmp_path / "full", overrides, rounds=rounds)
-    cfg = [*SMALL_FMNIST, f"rounds={rounds}", *overrides]
+    full, _ = run_small(tmp_path / "full", overrides, rounds=rounds, base=base)
+    cfg = [*base, f"rounds={rounds}", *overrides]
     crashed = Run(compose(cfg), tmp_path / "run", progress=False)
     real_round = crashed.algo.round
 

@@ -52,14 +52,7 @@ class FedPer(Algorithm):
 
     def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
         super().__init__(cfg, fed, engine, model_fn, **kw)
-        layers = engine.model.layers()
-        k = self.hp.personal_layers
-        if k >= len(layers):
-            raise ConfigError(
-                f"algo.personal_layers={k}: the model has {len(layers)} layers; at most "
-                f"{len(layers) - 1} can be personal"
-            )
-        names = [p for layer in layers[-k:] for p in layer.params]
+        names = self.personal_params(engine)
         mask = engine.spec.mask(names, device=self.device)  # [P]
         self.personal_entries = state_entries(mask, engine.n_state)  # [D]
         modules = {n.rsplit(".", 1)[0] for n in names}
@@ -68,6 +61,17 @@ class FedPer(Algorithm):
                 self.personal_entries[e.start : e.stop] = True
         self.base = engine.initial_state()  # [D] (personal entries unused)
         self.personal = self.base[self.personal_entries].repeat(self.N, 1)  # [N, K]
+
+    def personal_params(self, engine) -> list[str]:
+        """The parameters each client keeps: those of the last K_P units of model.layers()."""
+        layers = engine.model.layers()
+        k = self.hp.personal_layers
+        if k >= len(layers):
+            raise ConfigError(
+                f"algo.personal_layers={k}: the model has {len(layers)} layers; at most "
+                f"{len(layers) - 1} can be personal"
+            )
+        return [p for layer in layers[-k:] for p in layer.params]
 
     def states_of(self, clients) -> torch.Tensor:
         """[C, D]: the current base with each client's personalization layers."""
