@@ -6,7 +6,8 @@ Model = feature extractor theta (the body, f_theta(x) in R^d) + linear classifie
 head). Round t, each sampled client i receives theta^t and the global centroids c^t, and holds
 its head phi_i; with n_i samples, n_{i,k} of class k, p_i(k) = n_{i,k} / n_i:
 1. Statistics at theta^t, before training (Section 4.2, the estimates the collaboration QP
-   needs), mu_{i,k} = mean of f_{theta^t}(x) over its class-k samples:
+   needs; the heads step 7 combines are trained on theta^t's features), mu_{i,k} = mean of
+   f_{theta^t}(x) over its class-k samples:
        h_i = [p_i(k) mu_{i,k}]_k  in R^{K x d}      (estimate of E_{P_i}[y f(x)^T])
        V_i = (1 / n_i) [ (1 / n_i) sum_l ||f(x_l)||^2 - sum_k p_i(k)^2 ||mu_{i,k}||^2 ]
    (V_i = tr Cov(y f(x)^T) / n_i, the variance of h_i's estimate: the authors'
@@ -29,8 +30,12 @@ Server:
 Client i deploys (theta^{t+1}, phi_i): the latest feature extractor with its own head.
 Defaults: lambda 1 (the authors' `--lam`), 1 head epoch and E body epochs (the authors'
 `epoch_classifier = 1`, `local_ep_rep = local_epoch`), head lr 0.1 (their `lr_g`).
+The paper's ablation: `collaborate: false` skips step 7 (each client keeps its trained head;
+their `--agg_g 0`), `lam: 0` drops the alignment.
 
 RECONSTRUCTION (the paper leaves these open; the authors' code decides):
+- the statistics of step 1 are taken when theta^t arrives, before any local training (the
+  authors' code, PFLlib and FL-bench all do so), the centroids of step 4 after it;
 - the squared distance of R_i is averaged over the d coordinates (their nn.MSELoss, as PFLlib
   and FL-bench); a sample whose class has no global centroid this round (no sampled client
   holds it) is pulled to its client's own start-of-round centroid mu_{i,k} (their
@@ -49,7 +54,9 @@ RECONSTRUCTION (the paper leaves these open; the authors' code decides):
 Uploads: each client's trained state (kind "model", ref = the state it started from), of which
 the server averages the body and combines the heads; the local centroids [K, d] and the
 statistics (h_i, V_i) (kind "other"); the class counts n_{i,k} pass as sent, like the sample
-counts of every FedAvg-style server.
+counts of every FedAvg-style server. Communication per sampled client: up the body, the
+centroids and class counts, and (with the collaboration) the head and (h_i, V_i); down the
+body, the global centroids that exist, and the combined head.
 Buffers: averaged (weights >= 0) with the body, as the authors' code averages every
 non-classifier key: BatchNorm running statistics belong to theta.
 """
@@ -137,7 +144,10 @@ def combination_weights(P: np.ndarray, eps: float = ALPHA_EPS) -> np.ndarray | N
     alpha = min_norm_weights(P)
     if alpha is None:
         return None
-    alpha = np.where(alpha > eps, alpha, 0.0)
+    keep = alpha > eps
+    if not keep.any():  # more than 1/eps clients, all weights tiny: nothing to drop
+        return alpha
+    alpha = np.where(keep, alpha, 0.0)
     return alpha / alpha.sum()
 
 
