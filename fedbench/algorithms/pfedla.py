@@ -36,7 +36,8 @@ the rest follows KarhouTam/pFedLA, where it and FL-bench agree, else as stated):
   U(0, 1) weights and zero bias (so the first alpha are positive), ReLU, normalised by their
   sum; a layer whose a_i^l is all zero falls back to one-hot own weights (FL-bench; the
   reproduction raises); v_i ~ N(0, 1) (nn.Embedding); SGD lr 5e-3, momentum 0 (FL-bench's
-  `hn_momentum`); each client's hypernetwork initialised independently;
+  `hn_momentum`); each client's hypernetwork initialised independently (the reproduction;
+  FL-bench copies one initialisation to every client);
 - `delta`: the sign of Delta_i. `sent_minus_trained` (default) descends: to first order the
   step moves theta_bar_i(psi_i) toward theta~_i (pFedHN's code, delta = inner - final).
   KarhouTam/pFedLA and FL-bench step psi_i -= eta J^T (theta~_i - theta_bar_i), the opposite
