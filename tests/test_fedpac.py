@@ -123,6 +123,9 @@ def test_small_weights_are_dropped_and_the_rest_renormalized(monkeypatch):
     np.testing.assert_allclose(combination_weights(np.eye(3)), [0.6 / 0.9995, 0.3995 / 0.9995, 0])
     monkeypatch.setattr(fedpac, "min_norm_weights", lambda P: None)
     assert combination_weights(np.eye(3)) is None
+    tiny = np.full(2000, 1 / 2000)  # every weight below eps: kept as solved, never 0 / 0
+    monkeypatch.setattr(fedpac, "min_norm_weights", lambda P: tiny)
+    np.testing.assert_array_equal(combination_weights(np.eye(2000)), tiny)
 
 
 @pytest.mark.quick
