@@ -275,6 +275,26 @@ def test_a_failed_qp_keeps_the_own_trained_head(monkeypatch):
     assert info.diagnostics["qp_fallbacks"] == 3
 
 
+@pytest.mark.quick
+def test_a2_scales_the_uploaded_state():
+    """Attack A2: the server averages 100 (w_i - w_start) + w_start for the malicious rows."""
+    from fedbench.attack import Attack
+
+    algo, eng, fed = make_algo("fedpac", ["algo.collaborate=false"])
+    clients = np.arange(3)
+    start = algo.states_of(clients)
+    head = algo.head_phase(start, clients, 0)
+    want = algo.body_phase(head.states, clients, 0, torch.zeros(3, 3, 8)).states
+    algo.attack = Attack("a2", 0.5, 3, seed=0)
+    bad = torch.as_tensor(algo.attack.malicious)
+    algo.round(0, clients)
+    sent = torch.where(bad[:, None], 100 * (want - start) + start, want)
+    w = fed.train_sizes / fed.train_sizes.sum()
+    body = ~algo.head_entries
+    torch.testing.assert_close(algo.theta[body], (w[:, None] * sent).sum(0)[body])
+    torch.testing.assert_close(algo.heads, want[:, algo.head_entries])  # heads stay home
+
+
 @pytest.mark.slow
 def test_learns_on_fmnist(tmp_path):
     """Measured 0.928 in 2 rounds (seed 0); heads averaged uniformly instead of by the QP give

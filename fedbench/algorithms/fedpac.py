@@ -247,9 +247,6 @@ class FedPAC(Algorithm):
         idx = torch.as_tensor(clients, device=self.device)
         start = self.states_of(clients)
         means0, counts, sq = self.moments(start, clients)  # step 1, at theta^t
-        stats = [client_statistics(m, n, s) for m, n, s in zip(means0, counts, sq)]
-        h = torch.stack([s[0] for s in stats])  # [C, K, d]
-        v = torch.stack([s[1] for s in stats])  # [C]
         sent_centroids = int(self.has_centroid.sum())  # downloaded with theta^t
         head = self.head_phase(start, clients, t)
         body = self.body_phase(head.states, clients, t, means0)
@@ -257,19 +254,20 @@ class FedPAC(Algorithm):
         # uploads
         up = self.receive(body.states, clients, ref=start)
         local = self.receive(local, clients, kind="other")
-        C, K, d = h.shape
-        hv = self.receive(torch.cat([h.flatten(1), v[:, None]], 1), clients, kind="other")
-        h, v = hv[:, :-1].reshape(C, K, d), hv[:, -1]
+        C, K, d = means0.shape
         # server: steps 5-7
         avg = self.weights(clients, self.hp.weighting) @ up
         self.theta = self.server_step("theta", self.theta, avg)  # head entries unused
         self.centroids, self.has_centroid = aggregate_prototypes(local, counts, "samples")
-        trained = up[:, self.head_entries]
         if self.hp.collaborate:
-            new, failed = self.combine_heads(trained, h, v)
+            stats = [client_statistics(m, n, s) for m, n, s in zip(means0, counts, sq)]
+            hv = torch.stack([torch.cat([h.flatten(), v[None]]) for h, v in stats])
+            hv = self.receive(hv, clients, kind="other")  # rows (h_i, V_i)
+            h, v = hv[:, :-1].reshape(C, K, d), hv[:, -1]
+            new, failed = self.combine_heads(up[:, self.head_entries], h, v)
             self.qp_fallbacks += failed
-        else:
-            new = trained
+        else:  # the head never leaves the client
+            new = body.states[:, self.head_entries]
         self.heads[idx] = new
         # floats moved per client: up the body, the local centroids and class counts, and for
         # the collaboration the head and (h_i, V_i); down the body and the global centroids,
