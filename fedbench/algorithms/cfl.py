@@ -8,17 +8,17 @@ clients' updates. State: a partition of the clients into clusters c (`assign` [N
 of each client's cluster) and one model theta_c per cluster (`models` [K, D], K growing with
 the splits); at the start one cluster of every client with the initial model.
 
-Round t, each sampled client i of cluster c(i) (Section IV, weight-updates as generalized
+Round t, each sampled client i of cluster c(i) (the paper's weight-updates as generalized
 gradients): dtheta_i = SGD_E(theta_c(i), D_i) - theta_c(i), E epochs of the run's optimizer.
 Server, for every cluster c, with its weighted mean update
     dtheta_c = sum_{i in c} (|D_i| / |D_c|) dtheta_i,
-the two split criteria of the paper (Section III, distinguishing congruent from incongruent
-clients, in their weight-update form):
+the paper's two split criteria (distinguishing congruent from incongruent clients, in the
+weight-update form of its CFL algorithm):
     ||dtheta_c|| < eps_1                   (FL in c is close to a stationary point)
     max_{i in c} ||dtheta_i|| > eps_2      (some client is not: its data are incongruent);
 if both hold, the cosine similarities alpha_ij = <dtheta_i, dtheta_j> / (||dtheta_i||
-||dtheta_j||) and the optimal bipartition (the separation theorem's; Algorithm 1, "Optimal
-Bipartition")
+||dtheta_j||) and the optimal bipartition (the separation theorem's; the paper's "Optimal
+Bipartition" algorithm)
     c_1, c_2 = argmin_{c_1 u c_2 = c} max_{i in c_1, j in c_2} alpha_ij,
     alpha_max^cross = max_{i in c_1, j in c_2} alpha_ij;
 c is replaced by c_1 and c_2 if
@@ -31,9 +31,10 @@ only. Both halves start from theta_c. Then every cluster (after the splits) aggr
 A client deploys its cluster's model theta_c(i): the paper's output is every client's theta_i,
 which its algorithm keeps equal to its cluster's (the authors' notebook evaluates the same).
 The optimal bipartition is single-linkage agglomeration (merge the two most similar groups,
-a group's similarity being that of its most similar pair, until two remain): the pair it
-never merges is the lightest edge of the maximum spanning tree of alpha, so no bipartition has
-a smaller largest cross similarity (tests/test_cfl.py checks it against every bipartition).
+a group's similarity being that of its most similar pair, until two remain): the two groups
+it leaves are the sides of the lightest edge of alpha's maximum spanning tree, whose weight is
+their largest cross similarity, and every bipartition is crossed by some edge of that tree, so
+none does better (tests/test_cfl.py checks it against every bipartition).
 
 RECONSTRUCTION (the paper leaves these open or its code differs):
 - `linkage`: single (the paper's optimal bipartition, default) | complete (the authors'

@@ -29,12 +29,15 @@ RECONSTRUCTION (the paper leaves these open or its code differs):
   FEMNIST setting; rotated MNIST uses k=4.
 - `weighting`: uniform (Algorithm 1: the plain mean over the clients that chose j; the
   authors' MNIST and CIFAR code) | samples (the authors' FEMNIST code weights by n_i).
+- weight sharing shares every layer but the last (the classifier head): the paper names the
+  technique, not the layers; its shared part is averaged with the same weights as a cluster.
 - F_i is evaluated with the model in evaluation mode (BatchNorm's running statistics, no
   dropout): the loss of theta_j as it is deployed; the paper's models have no such layers.
 - the gradient-averaging version (option I, one gradient step per round, used by the
   paper's analysis) is not offered: the experiments on neural networks use option II.
 Uploads: each client's trained state (kind "model", ref = the cluster model it trained) and
-its cluster identity j_i (an index, counted as one float). Communication: all k models down
+its cluster identity j_i (an index, counted as one float; not attacked: the attacks replace
+model values). Communication: all k models down
 (with weight sharing: the shared part once and k heads), one state and the index up.
 Buffers: averaged with the parameters over the clients that chose the cluster (weights >= 0);
 with weight sharing the body's statistics belong to the shared part, averaged over all the
