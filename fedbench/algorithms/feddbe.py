@@ -97,8 +97,10 @@ def running_mean_step(model: DBEModel, z: torch.Tensor, momentum: float) -> torc
     """D2: (1 - mu) sg(zbar_i^g) + mu mean(z) (differentiable through z); the module's buffer
     takes the detached value, so the next batch sees it as history."""
     r = (1 - momentum) * model.rep_mean.clone() + momentum * z.mean(0)
-    with torch.no_grad():
-        model.rep_mean.copy_(r)
+    # `.data`: the engine's buffers are views of one flat state sharing a version counter;
+    # a tracked in-place write would invalidate what BatchNorm saved for backward, though
+    # nothing reads these entries before the next batch
+    model.rep_mean.data.copy_(r.detach())
     return r
 
 
