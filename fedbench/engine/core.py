@@ -305,7 +305,10 @@ class Engine:
         if states.dim() == 1:
             states = states.expand(len(plan.clients), -1)
         backend = self.backend_for(len(plan.clients), objective)
-        return self.backends[backend].train(plan, states)
+        # training needs autograd even when called from evaluation, which runs under no_grad
+        # (FedBABU fine-tunes its personalized models there)
+        with torch.enable_grad():
+            return self.backends[backend].train(plan, states)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -356,4 +359,5 @@ class Engine:
             P = self.n_params
             empty = torch.zeros(0, device=self.device)
             return GradResult(empty, torch.zeros(0, P) if with_grad else None, states[:, P:])
-        return self.backends[self.backend_for(C)].full_grads(plan, states)
+        with torch.enable_grad():
+            return self.backends[self.backend_for(C)].full_grads(plan, states)
