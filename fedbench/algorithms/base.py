@@ -183,19 +183,22 @@ class Algorithm:
         *,
         ref: torch.Tensor | None = None,
         kind: str = "model",
+        n_params: int | None = None,
     ) -> torch.Tensor:
         """What the server receives of the rows `uploads` [C, ...] sent by `clients`.
 
         `kind`: "model" (a state trained from `ref`, the model the server sent), "grad" (a
         gradient or pseudo-gradient; `ref` = the point it was taken at, if any) or "other"
         (prototypes, scores ...). Honest clients' rows come back unchanged; malicious
-        clients' rows are replaced as `attack.kind` says.
+        clients' rows are replaced as `attack.kind` says. `n_params`: how many leading
+        columns of a "model"/"grad" row are parameters (the rest, buffers, are sent as
+        they are); default the run model's `engine.n_params`, for rows in another layout
+        (an algorithm's own extra modules) their own count.
         """
         if self.attack is None:
             return uploads
-        return self.attack.apply(
-            uploads, clients, ref=ref, kind=kind, n_params=self.engine.n_params
-        )
+        P = self.engine.n_params if n_params is None else n_params
+        return self.attack.apply(uploads, clients, ref=ref, kind=kind, n_params=P)
 
     # ------------------------------------------------------------------ the contract
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
