@@ -20,7 +20,10 @@ Local objective on a batch B, E epochs of the run's optimizer:
     k(a, b) = sum_{sigma in (10, 15, 20, 50)} exp(-||a - b||^2 / (2 sigma))
 (h_j = W_i^fe(x_j), g_j = W^fe(x_j); the biased estimator with the RBF mixture of the authors'
 code, `mmd2`), trained: W_i^fe, Theta_i, W_i^hd; frozen: W^hd, W^fe (Figure 2(a)'s legend:
-"Upload & Overwrite & Train", "Upload & Train", "Overwrite & Freeze").
+"Upload & Overwrite & Train", "Upload & Train", "Overwrite & Freeze"). The bandwidths are
+absolute, so lambda's pull depends on the features' scale: on fedbench's FMNIST MLP (feature
+norms ~3) the default lambda = 5 holds the extractor near the last global one and slows the
+first rounds markedly (tests/test_fedcp.py: 0.49 after 3 short rounds, 0.92 with lambda = 0).
 Server (Figure 2(b)), w_i = n_i / sum_{sampled} n_j:
     W^fe <- sum_i w_i W_i^fe,  Theta <- sum_i w_i Theta_i,  W^hd <- sum_i w_i U_i,
 with U_i the head client i uploads (`head_upload`). Client i then deploys (W^fe, Theta, W^hd,
