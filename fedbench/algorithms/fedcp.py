@@ -261,7 +261,8 @@ class FedCP(WithTrainer, Algorithm):
         up[:, self.head_in_base] = head_up
         ref = start[:, self.base_cols]
         got = self.receive(up, clients, ref=ref, kind="model")
-        got_cpn = self.receive_params(trained[:, self.cpn_cols], clients, start[:, self.cpn_cols])
+        cpn, cpn0 = trained[:, self.cpn_cols], start[:, self.cpn_cols]
+        got_cpn = self.receive(cpn, clients, ref=cpn0, kind="model", n_params=cpn.shape[1])
         wts = self.weights(clients)
         old = torch.cat([self.w[self.base_cols], self.w[self.cpn_cols]])
         avg = torch.cat([wts @ got, wts @ got_cpn])
@@ -274,17 +275,6 @@ class FedCP(WithTrainer, Algorithm):
         self.w[self.gbody_cols] = new[:D][self.body_in_base]  # the next round's frozen W^fe
         n = len(clients) * (D + self.cpn_cols.numel())
         return RoundReport(res.loss.mean(), self.comm(clients, up=n, down=n))
-
-    def receive_params(self, rows: torch.Tensor, clients, ref: torch.Tensor) -> torch.Tensor:
-        """`receive` (kind "model") of parameter rows [C, M]: in slices of at most the run
-        model's parameter count, which is what `receive` treats as parameters (the rest of a
-        row would count as buffers and pass unattacked)."""
-        step = self.engine.n_params
-        parts = [
-            self.receive(rows[:, s : s + step], clients, ref=ref[:, s : s + step], kind="model")
-            for s in range(0, rows.shape[1], step)
-        ]
-        return torch.cat(parts, dim=1)
 
     # ------------------------------------------------------------------ deployment
     def personal_state(self, i: int) -> torch.Tensor:
