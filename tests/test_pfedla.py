@@ -125,6 +125,24 @@ def test_one_round_by_hand(sign):
     assert float(info.diagnostics["alpha_self"]) == pytest.approx(alpha_self, rel=1e-5)
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("sign", ["sent_minus_trained", "trained_minus_sent"])
+def test_sign_moves_the_mix_toward_or_away_from_the_trained_model(sign):
+    """The claim behind the default: with a small step, psi_i's update moves theta_bar_i (the
+    round-start stored models held fixed) toward the trained theta~_i; the reproduction's
+    sign (`trained_minus_sent`) moves it away, for every client."""
+    algo, eng, _ = scrambled([f"algo.delta={sign}", "algo.hn_lr=0.01"])
+    P, clients = eng.n_params, np.arange(3)
+    theta0 = algo.theta.clone()
+    before = torch.stack([algo.personal_state(i) for i in clients])[:, :P]
+    algo.round(0, clients)
+    trained = algo.theta[:, :P].clone()
+    algo.theta = theta0  # theta_bar_i(new psi_i) over the same stored models
+    after = torch.stack([algo.personal_state(i) for i in clients])[:, :P]
+    closer = (trained - after).norm(dim=1) < (trained - before).norm(dim=1)
+    assert bool(closer.all()) if sign == "sent_minus_trained" else not closer.any()
+
+
 def alpha_by_hand_at(psi, algo, i):
     saved, algo.psi = algo.psi, psi
     try:

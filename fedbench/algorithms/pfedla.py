@@ -23,8 +23,9 @@ the other clients' theta_j held constant. Since theta_bar_i is linear in alpha_i
 <theta_bar_i, Delta_i> = sum_{l,j} alpha_i^{l,j} M_i[l, j] with M_i[l, j] = <theta_j^l,
 Delta_i^l>: the VJP is one pass over the N stored models ([L, N] inner products) and a
 backward through the small hypernetwork, never through an [N, D] graph.
-The personalized model of client i is theta_bar_i (what the server would send next, which
-the reproduction's test evaluates); it is built for that client alone.
+The personalized model of client i is theta_bar_i (Figure 2's step 4, "personalized model
+theta_bar_i"; what the server would send next, which the reproduction's test evaluates); it
+is built for that client alone.
 
 HeurpFedLA (`k` > 0, the paper's heuristic variant): the k layers with the largest self
 weight alpha_i^{l,i} take client i's own theta_i^l (one-hot weights), are not downloaded
@@ -36,12 +37,19 @@ the rest follows KarhouTam/pFedLA, where it and FL-bench agree, else as stated):
   U(0, 1) weights and zero bias (so the first alpha are positive), ReLU, normalised by their
   sum; a layer whose a_i^l is all zero falls back to one-hot own weights (FL-bench; the
   reproduction raises); v_i ~ N(0, 1) (nn.Embedding); SGD lr 5e-3, momentum 0 (FL-bench's
-  `hn_momentum`); each client's hypernetwork initialised independently (the reproduction;
-  FL-bench copies one initialisation to every client);
+  `hn_momentum`, whose one optimizer shares a momentum buffer across all clients'
+  hypernetworks; here one buffer per client); each client's hypernetwork initialised
+  independently (the reproduction; FL-bench copies one initialisation to every client);
 - `delta`: the sign of Delta_i. `sent_minus_trained` (default) descends: to first order the
   step moves theta_bar_i(psi_i) toward theta~_i (pFedHN's code, delta = inner - final).
-  KarhouTam/pFedLA and FL-bench step psi_i -= eta J^T (theta~_i - theta_bar_i), the opposite
-  direction: `trained_minus_sent` reproduces them;
+  KarhouTam/pFedLA steps psi_i -= eta J^T (theta~_i - theta_bar_i) (autograd.grad with
+  grad_outputs = the client's trained-minus-sent diff, then param -= hn_lr * grad), the
+  opposite direction: `trained_minus_sent` reproduces it. (Whether the paper's own update
+  equation carries this sign could not be checked here.) FL-bench has the same sign
+  (grad_outputs = -(sent - trained), SGD step), but there theta_bar_i never reaches a model:
+  FedAvgClient.set_parameters loads personal_model_params, pFedLA's full stored theta_i,
+  over regular_model_params = theta_bar_i, so its clients train and are evaluated from their
+  own theta_i and its Delta is taken against theta_i;
 - a layer (`granularity: layer`) is one unit of `model.layers()` (a Conv/Linear with its
   norm), as the reproduction's top-level blocks (conv + BN); FL-bench gives every parameter
   tensor its own head (`granularity: tensor`);
