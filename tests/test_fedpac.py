@@ -264,6 +264,20 @@ def test_round_zero_is_plain_ce_and_collaborate_false_keeps_own_heads():
 
 
 @pytest.mark.quick
+def test_a_client_uploads_centroids_of_the_classes_it_holds_only():
+    """Client 1 holds no sample of class 2: it sends 2 centroids, the others 3 each."""
+    from conftest import TinyFed
+
+    fed = TinyFed()
+    i1 = fed.train_idx[1]
+    fed.y[i1] = torch.where(fed.y[i1] == 2, 0, fed.y[i1])
+    algo, eng, _ = make_algo("fedpac", ["algo.collaborate=false"], fed=fed)
+    info = algo.round(0, np.arange(3))
+    body_n, K, d = eng.n_state - int(algo.head_mask.sum()), fed.num_classes, algo.centroids.shape[1]
+    assert info.comm.bytes_up == 4 * (3 * (body_n + K) + (3 + 2 + 3) * d)
+
+
+@pytest.mark.quick
 def test_a_failed_qp_keeps_the_own_trained_head(monkeypatch):
     algo, eng, fed = make_algo("fedpac")
     clients = np.arange(3)

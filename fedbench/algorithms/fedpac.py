@@ -55,8 +55,9 @@ Uploads: each client's trained state (kind "model", ref = the state it started f
 the server averages the body and combines the heads; the local centroids [K, d] and the
 statistics (h_i, V_i) (kind "other"); the class counts n_{i,k} pass as sent, like the sample
 counts of every FedAvg-style server. Communication per sampled client: up the body, the
-centroids and class counts, and (with the collaboration) the head and (h_i, V_i); down the
-body, the global centroids that exist, and the combined head.
+centroids of the classes it holds (the authors' per-class dict) and the class counts, and (with
+the collaboration) the head and (h_i, V_i) (h_i dense [K, d], as the authors send it); down
+the body, the global centroids that exist, and the combined head.
 Buffers: averaged (weights >= 0) with the body, as the authors' code averages every
 non-classifier key: BatchNorm running statistics belong to theta.
 """
@@ -269,12 +270,13 @@ class FedPAC(Algorithm):
         else:  # the head never leaves the client
             new = body.states[:, self.head_entries]
         self.heads[idx] = new
-        # floats moved per client: up the body, the local centroids and class counts, and for
-        # the collaboration the head and (h_i, V_i); down the body and the global centroids,
-        # and the combined head
+        # floats moved per client: up the body, the centroids of the classes it holds and the
+        # class counts, and for the collaboration the head and (h_i, V_i); down the body and
+        # the global centroids, and the combined head
         body_n = self.engine.n_state - int(self.head_mask.sum())
         head_n = int(self.head_mask.sum()) if self.hp.collaborate else 0
-        n_up = C * (body_n + K * d + K + (head_n + K * d + 1 if head_n else 0))
+        held = int((counts > 0).sum())  # local centroids sent, over the round's clients
+        n_up = C * (body_n + K + (head_n + K * d + 1 if head_n else 0)) + held * d
         n_down = C * (body_n + sent_centroids * d + head_n)
         diagnostics = {"qp_fallbacks": int(self.qp_fallbacks)}
         return RoundReport(body.loss.mean(), self.comm(clients, up=n_up, down=n_down), diagnostics)
