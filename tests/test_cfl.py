@@ -162,6 +162,20 @@ def test_gamma_max_below_the_certificate_accepts_the_split(monkeypatch):
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("weighting,splits", [("samples", False), ("uniform", True)])
+def test_the_stationarity_criterion_uses_the_weighting(weighting, splits, monkeypatch):
+    """Opposite groups of norm 2, group A with 60 samples a client and B with 20: the
+    uniform mean update is ~0 (< eps_1 = 0.5, a split), the |D_i| / |D_c| mean is
+    (180 - 60) / 240 * 2 = 1 >= eps_1 (no split)."""
+    fed = TinyFed(n_clients=6, sizes=(60, 20, 60, 60, 20, 20))
+    over = ["algo.warmup_rounds=0", "algo.eps_1=0.5", "algo.eps_2=1.0"]
+    algo, eng, _ = make_algo("cfl", [*over, f"algo.weighting={weighting}"], fed=fed)
+    with_updates(algo, monkeypatch, directions(eng.n_params, -1.0))
+    algo.round(0, np.arange(6))
+    assert (algo.models.shape[0] == 2) == splits
+
+
+@pytest.mark.quick
 @pytest.mark.parametrize("weighting", ["samples", "uniform"])
 def test_round_by_hand(weighting):
     """No split (default eps and warm-up): the sampled clients train the cluster model E

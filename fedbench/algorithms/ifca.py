@@ -10,8 +10,10 @@ k cluster models theta_1..theta_k (`models` [k, D]). Round t, each sampled clien
 server, for every cluster j that some client chose,
     theta_j <- sum_{i in M_t} s_{i,j} w_i / sum_{i in M_t} s_{i,j}
 and a cluster no client chose keeps its model. A client deploys the cluster model it
-estimates as its own from the current models: theta_{j_i}, j_i = argmin_j F_i(theta_j) (the
-authors' code evaluates each client's test set with the model its training data choose).
+estimates as its own from the current models: theta_{j_i}, j_i = argmin_j F_i(theta_j) on its
+training data (as the authors' FEMNIST code; their MNIST and CIFAR scripts evaluate separate
+test machines, each with the model of lowest loss on its own test data, which uses the test
+labels).
 Weight sharing (the paper's combination of IFCA with the weight sharing of multi-task
 learning, for an ambiguous cluster structure; `weight_sharing`): the k models share every
 layer but the last, the classifier head (`FedModel.head`); the shared part is averaged over
@@ -20,7 +22,9 @@ all the sampled clients, each head over the clients that chose its cluster.
 RECONSTRUCTION (the paper leaves these open or its code differs):
 - initialization: k different random initializations, as the authors' code (their MNIST
   script draws the k models one after another from the seeded generator; their FEMNIST one
-  seeds model j with seed + j): theta_1 is the run's initial model and theta_2..theta_k the
+  seeds model j with seed + j, then, as run by their run_ifca.sh, loads a FedAvg-pretrained
+  model into every layer but the last and trains each model 20 rounds on a random k-th of
+  the clients before IFCA starts): theta_1 is the run's initial model and theta_2..theta_k the
   next draws of the model constructor from the run's seed (a forked generator: the global
   one is untouched). The paper's random restarts (keep the best of several runs) and the
   CIFAR script's redraw until every cluster gets a share of the clients are left to the
@@ -32,7 +36,9 @@ RECONSTRUCTION (the paper leaves these open or its code differs):
 - weight sharing shares every layer but the last (the classifier head): the paper names the
   technique, not the layers; its shared part is averaged with the same weights as a cluster.
 - F_i is evaluated with the model in evaluation mode (BatchNorm's running statistics, no
-  dropout): the loss of theta_j as it is deployed; the paper's models have no such layers.
+  dropout) and without augmentation: the loss of theta_j as it is deployed; the paper's
+  models have no such layers (the authors' CIFAR code computes F_i on training-augmented
+  images).
 - the gradient-averaging version (option I, one gradient step per round, used by the
   paper's analysis) is not offered: the experiments on neural networks use option II.
 Uploads: each client's trained state (kind "model", ref = the cluster model it trained) and
