@@ -1,6 +1,7 @@
 """FedEM: the E-step and the M-step's pi by hand, one round's weighted local steps and
-per-component averages against autograd, the mixture's prediction, M = 1 is FedAvg, that it
-learns on real FMNIST, and that a killed run resumes exactly."""
+per-component averages against autograd, the mixture's prediction, M = 1 is FedAvg, the
+objective's q on a BatchNorm model (the E-step's, in evaluation mode), that it learns on real
+FMNIST, and that a killed run resumes exactly."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from conftest import crash_and_resume, make_algo, run_small
+from conftest import TinyFed, compose, crash_and_resume, make_algo, run_small
+from fedbench.algorithms import ALGORITHMS
 from fedbench.algorithms.fedem import e_step
+from fedbench.engine import Engine
+from fedbench.models.base import FedModel
 
 
 @pytest.mark.quick
@@ -124,3 +129,47 @@ def test_resume_is_exact(tmp_path, monkeypatch):
     over = ["algo=fedem", "eval.every=2", "checkpoint.every=2", "participation=0.5"]
     full, resumed = crash_and_resume(tmp_path, monkeypatch, over, 4, die_at=3)
     assert (full["final"], full["best"]) == (resumed["final"], resumed["best"])
+
+
+def bn_mlp() -> FedModel:
+    """6 -> Linear 8 -> BatchNorm1d -> ReLU -> head 3 (TinyFed's shapes)."""
+    return FedModel(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU()), 8, 3)
+
+
+@pytest.mark.quick
+def test_objective_q_is_the_e_step_table_with_batchnorm():
+    """A BatchNorm model with running statistics far from the batches' (evaluation mode then
+    differs from training mode): q, recomputed per batch by the objective, is the E-step's
+    (evaluation mode, round-start statistics), the component trains in training mode, and
+    the round-start components are not written. One round, batch 64 (one full batch)."""
+    fed = TinyFed()
+    cfg = compose(["algo=fedem", "batch_size=64", "optim.lr=0.1"])
+    torch.manual_seed(0)
+    eng = Engine(fed, bn_mlp(), device="cpu")
+    algo = ALGORITHMS.get("fedem")(cfg, fed, eng, bn_mlp)
+    P, g = eng.n_params, torch.Generator().manual_seed(5)
+    algo.components[:, P:] = 0.5 + torch.rand(3, eng.n_state - P, generator=g)
+    algo.pi = torch.softmax(torch.randn(3, 3, generator=g), dim=1)
+    comps0, pi0 = algo.components.clone(), algo.pi.clone()
+    clients, trained = np.array([0, 2]), []
+    for i in clients:
+        x, y = fed.x[fed.train_idx[i]], fed.y[fed.train_idx[i]]
+        with torch.no_grad():
+            ce = [
+                F.cross_entropy(eng.to_module(s, bn_mlp()).eval()(x), y, reduction="none")
+                for s in comps0
+            ]
+        q = torch.softmax(pi0[i].log()[:, None] - torch.stack(ce), dim=0).T  # [n, M]
+        rows = []
+        for m in range(3):
+            model = eng.to_module(comps0[m], bn_mlp()).train()
+            loss = (q[:, m] * F.cross_entropy(model(x), y, reduction="none")).mean()
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            rows.append(comps0[m, :P] - 0.1 * torch.cat([gr.reshape(-1) for gr in grads]))
+        trained.append(torch.stack(rows))
+    n = fed.train_sizes[clients]
+    want = (n[:, None, None] / n.sum() * torch.stack(trained)).sum(0)
+    frozen = algo.components
+    algo.round(0, clients)
+    torch.testing.assert_close(algo.components[:, :P], want)
+    assert torch.equal(frozen, comps0)  # the objective read the round-start states only
