@@ -38,13 +38,19 @@ def test_e_step_and_pi_by_hand():
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("weighting", ["samples", "uniform"])
-def test_round_by_hand(weighting):
+@pytest.mark.parametrize(
+    "weighting,aggregate", [("samples", "sampled"), ("uniform", "sampled"), ("samples", "all"),
+                            ("uniform", "all")]
+)  # fmt: skip
+def test_round_by_hand(weighting, aggregate):
     """One round, batch 64 (one full batch per client and component): the E-step from the
     round-start components and pi^{k-1}; each component takes one SGD step on
-    (1/B) sum_i q_i(m) CE(h_m(x_i), y_i) (autograd); the server averages each component;
-    the sampled clients' pi is mean_i q_i, the others' unchanged."""
-    algo, eng, fed = make_algo("fedem", ["batch_size=64", f"algo.weighting={weighting}"])
+    (1/B) sum_i q_i(m) CE(h_m(x_i), y_i) (autograd); the server averages each component
+    over the sampled clients (`sampled`), or over all N with the unsampled client holding
+    the broadcast model (`all`, the authors' code); the sampled clients' pi is mean_i q_i,
+    the others' unchanged."""
+    over = ["batch_size=64", f"algo.weighting={weighting}", f"algo.aggregate={aggregate}"]
+    algo, eng, fed = make_algo("fedem", over)
     g = torch.Generator().manual_seed(2)
     algo.pi = torch.softmax(torch.randn(3, 3, generator=g), dim=1)
     pi0, comps0 = algo.pi.clone(), algo.components.clone()
@@ -70,8 +76,11 @@ def test_round_by_hand(weighting):
             rows.append(comps0[m, :P] - lr * grad)
         trained.append(torch.stack(rows))
     trained = torch.stack(trained)  # [C, M, P]
-    n = fed.train_sizes[clients] if weighting == "samples" else torch.ones(2)
+    n_all = fed.train_sizes if weighting == "samples" else torch.ones(3)
+    n = n_all[clients]
     want = (n[:, None, None] / n.sum() * trained).sum(0)
+    if aggregate == "all":  # client 1 contributes the broadcast components, weight n_1 / n
+        want = (n.sum() * want + n_all[1] * comps0[:, :P]) / n_all.sum()
     info = algo.round(0, clients)
     torch.testing.assert_close(algo.components[:, :P], want)
     torch.testing.assert_close(algo.pi[clients], torch.stack(new_pi))
@@ -143,7 +152,7 @@ def test_objective_q_is_the_e_step_table_with_batchnorm():
     (evaluation mode, round-start statistics), the component trains in training mode, and
     the round-start components are not written. One round, batch 64 (one full batch)."""
     fed = TinyFed()
-    cfg = compose(["algo=fedem", "batch_size=64", "optim.lr=0.1"])
+    cfg = compose(["algo=fedem", "batch_size=64", "optim.lr=0.1", "algo.aggregate=sampled"])
     torch.manual_seed(0)
     eng = Engine(fed, bn_mlp(), device="cpu")
     algo = ALGORITHMS.get("fedem")(cfg, fed, eng, bn_mlp)

@@ -39,9 +39,13 @@ RECONSTRUCTION (the paper leaves these open; the authors' code decides):
   learner with its own random init; identical ones would stay identical: q = pi, equal
   gradients): component 0 is the run's initial model, component m >= 1 `model_fn()` under
   a seed drawn from (run seed, m);
-- partial participation: the average is over the sampled clients (FedAvg's); the paper's
-  Algorithm 1 has every client take part, and the authors' code averages all N clients'
-  copies (the unsampled ones holding the broadcast model) with weights n_t / n;
+- partial participation (`aggregate`; the paper's Algorithm 1 has every client take part):
+  `all` (default, the authors' `CentralizedAggregator.mix`) averages all N clients' copies,
+  the unsampled ones holding the broadcast model, with weights n_t / n over all N, i.e.
+  theta_m^k = theta_m^{k-1} + s (avg_S - theta_m^{k-1}) with avg_S the sampled clients'
+  average and s their share of the weight (sum_{t in S} n_t / n, or C / N uniform);
+  `sampled` averages the sampled clients only (FedAvg's rule, FL-bench's), a step 1/s
+  longer; with every client sampled the two are the same;
 - the training loss reported is sum_m of each component's mean weighted loss (the M-step's
   objective), averaged over the sampled clients.
 Uploads: the M trained component states of each client (kind "model", ref = the component
@@ -53,6 +57,7 @@ averaged with its parameters (weights n_t / n, the authors' `average_learners`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -69,6 +74,7 @@ from fedbench.engine.plan import Objective
 class FedEMParams:
     components: int = hp(ge=1)  # M shared component models (the paper's default 3)
     weighting: Weighting  # each component's average: samples (n_t / n) | uniform (1/C)
+    aggregate: Literal["all", "sampled"]  # all N clients' copies (authors') | the sampled only
 
 
 def e_step(log_pi: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
@@ -150,13 +156,19 @@ class FedEM(Algorithm):
         pools = [self.fed.train_idx[int(i)] for i in clients]
         q = [e_step(log_pi[c], self.sample_losses(p)) for c, p in enumerate(pools)]  # E-step
         w = self.weights(clients, self.hp.weighting)
+        share = 1.0  # the sampled clients' share of the weight over all N (`aggregate`)
+        if self.hp.aggregate == "all":
+            n = self.fed.train_sizes
+            uniform = self.hp.weighting == "uniform"
+            share = len(clients) / self.N if uniform else float(n[idx.cpu()].sum() / n.sum())
         new, loss = [], torch.zeros(len(clients), device=self.device)
         for m in range(M):
             obj = weighted_objective(self.engine.spec, frozen, log_pi, m)
             slot = f"component{m}"
             res = self.local_train(frozen[m], clients, t, objective=obj, salt=m, slot=slot)
             up = self.receive(res.states, clients, ref=frozen[m])
-            new.append(self.server_step(f"component{m}", frozen[m], w @ up))
+            avg = torch.lerp(frozen[m], w @ up, share)  # the unsampled hold frozen[m]
+            new.append(self.server_step(f"component{m}", frozen[m], avg))
             loss += res.loss
         self.components = torch.stack(new)
         self.pi[idx] = torch.stack([qc.mean(0) for qc in q])  # M-step: pi^k
