@@ -33,8 +33,13 @@ RECONSTRUCTION (the paper leaves these open):
   divided by the feature dimension F times the kernel scale T (`exp(-d2 / (F * scale))`);
   the weights are computed as a softmax over the k neighbours (the same ratio, without
   the underflow to 0/0 of far neighbours);
-- ties in lambda_m's validation accuracy (frequent with small validation sets) go to the
+- lambda_m per client, the grid value of best accuracy on the client's validation set (the
+  paper's Algorithm 1 chooses lambda_m per client; the authors' released scripts never do:
+  `eval_knnper.py` scores the whole lambda x capacity grid on the test set and their plots
+  average over clients per lambda); ties (frequent with small validation sets) go to the
   median of the best grid values; a client whose training part is empty uses h_S alone;
+- k = 10: the authors' scripts sweep k in {1, 3, 5, 7, 10} (`n_neighbours_effect.sh`); we
+  could not read which value the paper's main tables use (FL-bench: 5);
 - `mix: logits` mixes the kNN probabilities with the global model's raw logits, which is
   what the authors' evaluation script runs by default (its `--interpolate_logits` flag has
   a truthy default); `mix: probs` (default) is the paper's eq. (7) over probabilities;
