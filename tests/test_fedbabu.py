@@ -88,8 +88,14 @@ def test_personalized_models_are_one_finetuning_call(part, monkeypatch):
         assert torch.equal(got[:, entries], g[entries].expand(3, -1))
     assert torch.equal(algo.w, g)  # fine-tuning leaves the global model alone
     algo.round(2, np.array([0]))
-    algo.personal_state(0)
+    g2 = algo.w.clone()
+    got2 = algo.personal_state(0)
     assert len(calls) == 3  # the round's training, then a new fine-tuning of the new model
+    # the second fine-tuning starts from a fresh optimizer too (persist_state is on: momentum
+    # left by the first fine-tuning must not carry over)
+    want2 = real(g2, np.arange(3), optim=fresh, lr=algo.optim.lr_at(2), batch_size=8, epochs=5,
+                 trainable=mask, round=2, salt=FINETUNE_SALT).states  # fmt: skip
+    torch.testing.assert_close(got2, want2[0])
 
 
 @pytest.mark.quick

@@ -4,8 +4,10 @@ jhoon-oh/FedBABU).
 
 Model = body theta_ext (every layer but the last) + head theta_cls (the last Linear,
 `FedModel.head`). The head keeps its random initialization theta_cls^0 (the run's seeded
-model init, the same for every client) during the whole federated training: it is never
-updated, never averaged and never sent.
+model init, the same for every client: PyTorch's default Linear init, as in the authors'
+main_fed.py; their main_single.py compares head inits, orthogonal among them, in centralized
+training only) during the whole federated training: it is never updated, never averaged and
+never sent.
 
 Federated training (Algorithm 1), round k, each sampled client i: from (theta_ext^k,
 theta_cls^0), tau local epochs (`local_epochs`) of the run's optimizer on its data,
@@ -50,8 +52,10 @@ Uploads: each client's trained state, of which the server uses the body (kind "m
 discarded (the server restores theta_cls^0 after its step, also against an attack).
 Communication: the body entries (parameters and buffers), each way.
 Buffers: belong to the body (the head is one Linear, no buffers): BatchNorm running
-statistics are averaged with the body (the authors average the whole state dict but the
-head); a personalized model keeps the statistics its fine-tuning forwards update.
+statistics are averaged with the body, as any body entry (the authors average the whole state
+dict but the head; their models keep no running statistics, BatchNorm with
+track_running_stats=False); a personalized model keeps the statistics its fine-tuning
+forwards update.
 """
 
 from __future__ import annotations
@@ -121,8 +125,8 @@ class FedBABU(Algorithm):
         """[N, D]: every client's fine-tuned model from the current global model, one engine
         call for all clients, kept until the global model changes."""
         if self._tuned is None or self._tuned[0] is not self.w:
-            with torch.enable_grad():  # evaluations run under no_grad; this is training
-                rows = self.finetune(self.w, np.arange(self.N), self.last_round).states
+            # called from evaluations (under no_grad): Engine.train enables autograd itself
+            rows = self.finetune(self.w, np.arange(self.N), self.last_round).states
             self._tuned = (self.w, rows)
         return self._tuned[1]
 
