@@ -28,7 +28,9 @@ RECONSTRUCTION:
 - the representation R_w(x): the paper's network is base encoder -> projection head (a
   2-layer MLP, output 256) -> output layer, and z is the projection head's output. Our
   models have no projection head: z = `model.features(x)` (the body's output, the input
-  of the classifier head), as PFLlib's and FL-bench's MOON use the base's output;
+  of the classifier head), the representation of the authors' own variant without a
+  projection head (`--use_project_head 0`: ModelFedCon_noheader returns the base's output h
+  as the contrasted vector), as PFLlib's MOON; FL-bench contrasts the pre-ReLU features;
 - the client's previous model before it has trained: the paper is silent. We use the
   initial model w^0 (PFLlib's old_model, a copy of the client's model at construction).
   In round 0 this makes z_prev = z_glob, so l_con = log 2 with zero gradient: the authors'
