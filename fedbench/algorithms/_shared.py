@@ -11,6 +11,8 @@ underscore keeps it out of the registry scan).
   signed) coefficients, on the parameters only; buffers (BatchNorm running statistics)
   come from a given row, never from a signed combination (a negative variance otherwise).
 - `class_means`: per-class mean features over index sets (FedProto's prototypes).
+- `entry_index`: the flat-state indices of named parameters/buffers (an algorithm's own
+  module trained on a second engine: FedDBE's PRBM, GPFL's CoV and GCE).
 - `TrainSubset` / `make_engine` / `train_on` / `WithTrainer`: a second engine over a
   held-out split or another module (FedFomo's validation split, FedRoD's two-head model),
   with the run's engine settings, `Algorithm.local_train`'s defaults, and its optimizer
@@ -19,10 +21,13 @@ underscore keeps it out of the registry scan).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from fedbench.engine import Engine, TrainResult
+from fedbench.engine.spec import ModelSpec
 from fedbench.engine.terms import dynamic
 
 
@@ -123,6 +128,13 @@ def class_means(
         sums.index_add_(0, y, f)
         counts += torch.bincount(y, minlength=num_classes)
     return sums / counts.clamp_min(1)[:, None], counts
+
+
+def entry_index(spec: ModelSpec, names: Sequence[str], device: torch.device | str) -> torch.Tensor:
+    """[n] long indices into `spec`'s flat state of the named parameters/buffers, in the
+    order of `names` (each name's entries in its own flattening order)."""
+    parts = [torch.arange(spec.index[n].start, spec.index[n].stop) for n in names]
+    return torch.cat(parts).to(device)
 
 
 class TrainSubset:

@@ -29,8 +29,10 @@ Client i deploys (W^{t+1}, zbar_i^p): the latest aggregated body and head with i
 (the authors evaluate right after sending the global model); a client never sampled
 deploys zbar_i^p = 0. The global model is (W^{t+1}) without any PRBM.
 Defaults: kappa = 50, mu = 1.0: the authors' Fashion-MNIST command (TsingZ0/DBE
-system/run_me.sh: -mo 1 -klw 50); PFLlib's argparse defaults (momentum 0.1, kl_weight 0)
-switch MR off.
+system/run_me.sh: -mo 1 -klw 50, with their 4-layer CNN, K = 512, lr 0.005, batch 10);
+PFLlib's argparse defaults (momentum 0.1, kl_weight 0) switch MR off. E averages over the
+K coordinates, so MR's pull on each coordinate is kappa / K: the same kappa is 8 times
+stronger at K = 64 than on the authors' CNN (the paper's own values were not checked here).
 
 RECONSTRUCTION (from the authors' code; the paper text was not at hand here):
 - zbar^g once, in an initialization period over all N clients, from the initial model
@@ -63,7 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedbench.algorithms._shared import WithTrainer, make_engine, train_on
+from fedbench.algorithms._shared import WithTrainer, entry_index, make_engine, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import hp, nonneg
 from fedbench.errors import ConfigError
@@ -127,12 +129,6 @@ def dbe_objective(
         return F.cross_entropy(model.head(z), y)
     ce = F.cross_entropy(model.head(z + model.prbm), y)
     return ce + kappa * mean_regularizer(r, global_mean)
-
-
-def entry_index(spec, names: list[str], device) -> torch.Tensor:
-    """Indices into `spec`'s flat state of the named parameters/buffers, in the given order."""
-    parts = [torch.arange(spec.index[n].start, spec.index[n].stop) for n in names]
-    return torch.cat(parts).to(device)
 
 
 @ALGORITHMS.register()
