@@ -4,55 +4,66 @@ arXiv:2308.10279; the authors' code: TsingZ0/GPFL system/flcore/{clients/clientg
 servers/servergp.py}, the same as PFLlib's clientgpfl.py / servergpfl.py).
 
 Client i's model: the feature extractor phi (the run model's body, shared), a Conditional
-Valve CoV (shared), a Global Category Embedding layer GCE with table W in R^{C x K} (shared;
-C classes, K = feature_dim) and the classifier head h_i (the run model's head, personal).
-Numbered here G1-G7 (the paper's CoV, GCE and objective subsections):
+Valve CoV (shared, parameters V), a Global Category Embedding layer GCE with table C in
+R^{U x K} (shared; U classes, K = feature_dim; W below) and the head psi_i (the run
+model's head, personal). Equation numbers are the paper's (Sec. 3.2, Algorithm 1):
 
-  G1 (CoV)   CoV(f, c) = ReLU((gamma(c) + 1) * f + beta(c)),
-             gamma(c) = LN(ReLU(A_g c + a_g)), beta(c) = LN(ReLU(A_b c + a_b)),
-             two fully connected K -> K layers with ReLU and LayerNorm.
-  G2 (routes)  f = phi(x); f^G = CoV(f, g_i) (global guidance route),
-             f^P = CoV(f, p_i) (personalized task route).
-  G3 (conditional inputs)  g_i = (1/C) sum_c W_i[c],  p_i = sum_c alpha_i^c W_i[c],
-             alpha_i^c = n_i^c / n_i the client's training label distribution;
-             constants during training; g_i = p_i = 0 before the first round ends.
-  G4 (angle-level guidance)  L_alg = E_(x,y) -log softmax_c(cos(f^G, W[c]))[y]
-             (unscaled cosine logits; the gradient reaches phi, CoV and W).
-  G5 (magnitude-level guidance)  L_mlg = ||f^G - W^fr[y]||_2 with W^fr the GCE received
-             this round, frozen (`magnitude`: see RECONSTRUCTION).
-  G6 (client objective, per batch)
-             L_i = CE(h_i(f^P), y) + L_alg + lam L_mlg + (mu/2)(||theta_CoV||^2 + ||W||^2),
-             lam = `lam`, mu = `mu`; one step of the run's optimizer on (phi, CoV, W, h_i).
-  G7 (server)  phi, CoV and W are averaged with weights n_i / n over the round's clients
-             (FedAvg); h_i never leaves client i.
-After the round, each client computes G3 from the GCE it holds (its trained W_i if it
-trained this round, else the W^t it was sent) before the new global W^{t+1} replaces it
-(set_GCE in the authors' code); W^{t+1} becomes W^fr of the next round.
-Client i deploys x -> h_i(CoV(phi(x), p_i)) with the latest phi and CoV, its own head and
-its p_i. The server holds no classifier head: no global model is reported.
+  (3)  f = phi(x);  f^G = ReLU((gamma + 1) * f + beta),  f^P = ReLU((gamma_i + 1) * f + beta_i)
+  (4)  {gamma, beta} = CoV(f, g; V),  {gamma_i, beta_i} = CoV(f, p_i; V): CoV_gamma and
+       CoV_beta each an FC K -> K layer, a ReLU and a LayerNorm applied to the conditional
+       input (g for the global route, p_i for the personalized one).
+  (5)  g = (1/U) sum_u What[u]   (identical among clients),
+  (6)  alpha_i^u = E_{(x, y) ~ D_i} 1{y = u}   (the client's training label distribution),
+  (7)  p_i = (1/U) sum_u alpha_i^u What[u],
+       What = Chat, the frozen copy of the global C^t the client received (Algorithm 1,
+       lines 6-8: set before local training, constant during it); `conditional` below.
+  (8)  L^alg = -log softmax_u(sim(f^G, W[u]))[y], sim the cosine (unscaled); its gradient
+       reaches phi, CoV and W ("all the embeddings in GCE are updated through Eq. (8)").
+  (9)  L^mlg = ||f^G - What[y]||_2   (`magnitude`: see RECONSTRUCTION).
+  (10) L^P = CE(psi(f^P; W_i^h), y).
+  (11) L_i = L^P + L^alg + lam L^mlg + mu ||V||_2 + mu ||C||_2, lam = `lam`, mu = `mu`
+       (the mu terms: see RECONSTRUCTION); the objective (1) is E_{(x, y) ~ D_i} L_i:
+       per batch the mean over its samples; one step of the run's optimizer on
+       (phi, V, W, W_i^h) together (Algorithm 1, lines 9-13).
+  Server (Algorithm 1, lines 15-18): W^fe, V and C are averaged with weights n_i / n^t over
+       the round's clients; W_i^h never leaves client i.
+Client i deploys x -> psi_i(CoV(phi(x), p_i)) (only the personalized route, Fig. 1) with the
+latest phi, CoV, its own head and its p_i from the latest global C. The server holds no
+classifier head: no global model is reported.
+`conditional`: `received` (default, the paper) computes g and p_i by (5) and (7) from the
+global C the client receives: C^t while it trains in round t, C^{t+1} once the round ends
+(round 0 trains with them from C^0). `held` is the authors' code (set_GCE): once the round
+ends each client computes g_i = (1/U) sum_u W_i[u] and p_i = sum_u alpha_i^u W_i[u] (no 1/U)
+from the GCE it holds before the new global one replaces it (its trained W_i if it trained
+this round, else the C^t the authors' server broadcast to every client), so g_i differs
+among clients; both are 0 in round 0.
 Defaults lam = 0.01, mu = 0.1: the authors' run_me.sh for the 4-layer CNN and the 3-layer
-MLP (lam 1e-4 and mu 0 for ResNet-18 and fastText; lam 0.01, mu 1.0 for HAR-CNN).
+MLP (lam 1e-4 and mu 0 for ResNet-18 and fastText; lam 0.01, mu 1.0 for HAR-CNN); the
+paper defers its hyperparameters to its supplementary material, not read here.
 
-RECONSTRUCTION (from the authors' code; the paper text was not at hand here):
-- G5's reduction (`magnitude`): `sample` (default) is the mean over the batch of each
-  sample's L2 distance, the expectation over (x, y) the paper's losses are written as;
-  `batch` is the authors' code, `torch.norm(feat_G - emb, 2)` on the [B, K] batch: the
-  Frobenius norm of all the batch's differences at once (about sqrt(B) times larger);
-- mu is the weight decay of the authors' separate SGD optimizers for CoV and GCE: as a loss
-  term (mu/2) ||.||^2 it gives the same gradient mu theta; the three optimizers (phi + h_i,
+RECONSTRUCTION:
+- (9)'s reduction over a batch (`magnitude`): `sample` (default) is the mean over the batch
+  of each sample's L2 distance, the expectation (1) over (x, y); `batch` is the authors'
+  code, `torch.norm(feat_G - emb, 2)` on the [B, K] batch: the Frobenius norm of all the
+  batch's differences at once (about sqrt(B) times larger; their lam = 0.01 was set with
+  it at B = 10);
+- (11)'s mu terms: the paper writes mu ||V||_2 + mu ||C||_2; the authors' code has no such
+  loss but weight decay mu on their separate SGD optimizers for CoV and GCE, the gradient
+  mu theta of (mu/2)(||V||^2 + ||C||^2), which is what we add to the loss (all CoV
+  parameters, LayerNorm's included, and the table); the three optimizers (phi + psi_i,
   CoV, GCE; same lr) are here the run's one optimizer over all four (identical for SGD);
-- G3 uses the client's GCE before the new global one replaces it (set_GCE reads
-  self.GCE.embedding before copying the server's parameters in); an unsampled client
-  holds the W^t the authors' server broadcast to every client;
 - CoV and GCE are initialized as PyTorch's Linear / LayerNorm / Embedding defaults (the
-  authors' modules), drawn from the run's seed without touching the global RNG.
+  authors' modules), one draw shared by all clients, from the run's seed without touching
+  the global RNG; every head starts from the run model's initial head (the authors'
+  deep copies of one model).
 Uploads: each sampled client's trained body in the run model's layout (kind "model", ref =
 the global phi; the head entries in it are not used) and its CoV + GCE parameters (kind
-"model", ref = the global CoV + GCE, sent in pieces of at most the run model's parameter
-count, the length `Algorithm.receive` treats as parameters); h_i and p_i, g_i stay local.
+"model", ref = the global CoV + GCE, all E entries parameters: `n_params=E`); psi_i, p_i and
+g stay local.
 Buffers: the body's BatchNorm running statistics are averaged with the body (FedAvg's sample
-weights) and deployed with it; g_i and p_i are buffers of the training module, one row per
-client, set by G3 and never trained.
+weights) and deployed with it (the authors' set_parameters copies parameters only: their
+clients keep their own; their models have no BatchNorm); g and p_i are buffers of the
+training module, one row per client, set by (5)/(7) and never trained.
 """
 
 from __future__ import annotations
@@ -66,7 +77,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedbench.algorithms._shared import WithTrainer, make_engine, train_on
+from fedbench.algorithms._shared import WithTrainer, entry_index, make_engine, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import nonneg
 from fedbench.errors import ConfigError
@@ -74,13 +85,14 @@ from fedbench.errors import ConfigError
 
 @dataclass
 class GPFLParams:
-    lam: float = nonneg()  # lambda, weight of the magnitude-level guidance (G5)
-    mu: float = nonneg()  # mu, L2 weight on CoV and GCE (G6)
-    magnitude: Literal["sample", "batch"]  # G5's reduction over the batch (RECONSTRUCTION)
+    lam: float = nonneg()  # lambda, weight of the magnitude-level guidance (9) in (11)
+    mu: float = nonneg()  # mu, L2 weight on CoV and GCE in (11)
+    magnitude: Literal["sample", "batch"]  # (9)'s reduction over the batch (RECONSTRUCTION)
+    conditional: Literal["received", "held"]  # g, p_i from the received C (5, 7) | authors'
 
 
 class CoV(nn.Module):
-    """G1: the Conditional Valve, an affine transformation of f conditioned on c."""
+    """(3)-(4): the Conditional Valve, an affine transformation of f conditioned on c."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -93,7 +105,7 @@ class CoV(nn.Module):
 
 class GPFLModel(nn.Module):
     """The run model's body and head with CoV and GCE; the conditional inputs as buffers.
-    Its forward is the deployed personalized model (G2's personalized route)."""
+    Its forward is the deployed personalized model ((3)'s personalized route)."""
 
     def __init__(self, base: nn.Module, num_classes: int) -> None:
         super().__init__()
@@ -103,19 +115,19 @@ class GPFLModel(nn.Module):
         self.cov = CoV(dim)
         self.gce = nn.Embedding(num_classes, dim)  # W
         self.register_buffer("cond_p", torch.zeros(dim))  # p_i
-        self.register_buffer("cond_g", torch.zeros(dim))  # g_i
+        self.register_buffer("cond_g", torch.zeros(dim))  # g (g_i with `held`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.cov(self.body(x), self.cond_p))
 
 
 def angle_loss(f_g: torch.Tensor, table: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """G4: cross-entropy of the cosine similarities between f^G and every class embedding."""
+    """(8): cross-entropy of the cosine similarities between f^G and every class embedding."""
     return F.cross_entropy(F.normalize(f_g) @ F.normalize(table).T, y)
 
 
 def magnitude_loss(f_g: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
-    """G5: the L2 distance of f^G to the frozen embeddings of its labels: per sample, averaged
+    """(9): the L2 distance of f^G to the frozen embeddings of its labels: per sample, averaged
     (`sample`), or the norm of the whole batch's differences (`batch`, the authors' code)."""
     d = f_g - target
     if reduction == "batch":
@@ -134,7 +146,7 @@ def gpfl_objective(
     mu: float,
     magnitude: str,
 ) -> torch.Tensor:
-    """G6 on one batch; `frozen` is W^fr [C, K]."""
+    """(11) on one batch (its mean over the samples); `frozen` is What = C^t [U, K]."""
     f = model.body(x)
     f_p = model.cov(f, model.cond_p)
     f_g = model.cov(f, model.cond_g)
@@ -144,12 +156,6 @@ def gpfl_objective(
         sq = sum(p.pow(2).sum() for p in model.cov.parameters()) + model.gce.weight.pow(2).sum()
         loss = loss + 0.5 * mu * sq
     return loss
-
-
-def entry_index(spec, names: list[str], device) -> torch.Tensor:
-    """Indices into `spec`'s flat state of the named parameters/buffers, in the given order."""
-    parts = [torch.arange(spec.index[n].start, spec.index[n].stop) for n in names]
-    return torch.cat(parts).to(device)
 
 
 @ALGORITHMS.register()
@@ -189,13 +195,16 @@ class GPFL(WithTrainer, Algorithm):
         self.w = engine.initial_state()  # [D] phi (+ buffers), run layout; head entries unused
         self.heads = init[self.head_idx].repeat(self.N, 1)  # [N, H] h_i
         self.ext = init[self.ext_idx]  # [E] global CoV + GCE
-        K = base.feature_dim
-        self.cond_p = torch.zeros(self.N, K, device=dev)  # [N, K] p_i
-        self.cond_g = torch.zeros(self.N, K, device=dev)  # [N, K] g_i
         counts = torch.stack(
             [torch.bincount(fed.y[ix], minlength=fed.num_classes) for ix in fed.train_idx]
         ).float()
-        self.alpha = (counts / counts.sum(1, keepdim=True).clamp_min(1)).to(dev)  # [N, C]
+        self.alpha = (counts / counts.sum(1, keepdim=True).clamp_min(1)).to(dev)  # [N, U] (6)
+        K = base.feature_dim
+        if self.hp.conditional == "received":  # (5), (7) from C^0 for round 0
+            self.cond_p, self.cond_g = self.received_inputs(self.table(self.ext))
+        else:  # the authors' zeros until the first round ends
+            self.cond_p = torch.zeros(self.N, K, device=dev)  # [N, K] p_i
+            self.cond_g = torch.zeros(self.N, K, device=dev)  # [N, K] g_i
 
     def rows(self, clients) -> torch.Tensor:
         """[C, D'] training-module states: the global phi, CoV and GCE with each client's
@@ -213,19 +222,19 @@ class GPFL(WithTrainer, Algorithm):
         """W [C, K] (or [..., C, K]) inside CoV + GCE vectors [..., E]."""
         return ext[..., self.gce_in_ext].reshape(*ext.shape[:-1], *self.table_shape)
 
-    def receive_extra(self, rows: torch.Tensor, clients, ref: torch.Tensor) -> torch.Tensor:
-        """The CoV + GCE uploads [C, E] as parameters ("model") in pieces of at most the run
-        model's parameter count, the columns `Algorithm.receive` treats as parameters."""
-        P = self.engine.n_params
-        parts = [
-            self.receive(rows[:, s : s + P], clients, ref=ref[s : s + P], kind="model")
-            for s in range(0, rows.shape[1], P)
-        ]
-        return torch.cat(parts, 1)
+    def received_inputs(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(7) p_i [N, K] for every client and (5) g [N, K] (one row repeated) from the global
+        table `table` [U, K]."""
+        U = table.shape[0]
+        p = self.alpha @ table / U
+        return p, table.mean(0).expand_as(p).clone()
 
-    def conditional_inputs(self, idx: torch.Tensor, trained: torch.Tensor, held: torch.Tensor):
-        """G3 for every client from the GCE it holds: `trained` [C, C', K] for clients `idx`,
-        `held` [C', K] (the W^t sent to all) for the others."""
+    def held_inputs(
+        self, idx: torch.Tensor, trained: torch.Tensor, held: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The authors' set_GCE for every client from the GCE it holds: `trained` [C, U, K]
+        for clients `idx`, `held` [U, K] (the C^t sent to all) for the others; p_i without
+        (7)'s 1/U."""
         p = self.alpha @ held
         g = held.mean(0).expand_as(p).clone()
         p[idx] = torch.bmm(self.alpha[idx][:, None], trained)[:, 0]
@@ -234,7 +243,7 @@ class GPFL(WithTrainer, Algorithm):
 
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
-        frozen = self.table(self.ext)  # W^fr = W^t
+        frozen = self.table(self.ext)  # What = C^t
         objective = partial(
             gpfl_objective,
             frozen=frozen,
@@ -244,15 +253,19 @@ class GPFL(WithTrainer, Algorithm):
         )
         res = train_on(self, self.trainer, self.rows(clients), clients, t, objective=objective)
         self.heads[idx] = res.states[:, self.head_idx]
-        self.cond_p, self.cond_g = self.conditional_inputs(
-            idx, self.table(res.states[:, self.ext_idx]), frozen
-        )
+        if self.hp.conditional == "held":
+            trained = self.table(res.states[:, self.ext_idx])
+            self.cond_p, self.cond_g = self.held_inputs(idx, trained, frozen)
         up = self.receive(res.states[:, self.run_idx], clients, ref=self.w)
-        up_ext = self.receive_extra(res.states[:, self.ext_idx], clients, self.ext)
+        up_ext = self.receive(  # CoV + GCE: all E columns are parameters
+            res.states[:, self.ext_idx], clients, ref=self.ext, n_params=self.ext.numel()
+        )
         wts = self.weights(clients)
         avg = self.server_step("w", self.w, wts @ up)
         self.w = torch.where(self.run_head, self.w, avg)  # the head entries are personal
         self.ext = self.server_step("ext", self.ext, wts @ up_ext, params=slice(None))
+        if self.hp.conditional == "received":  # from C^{t+1}: deployed now, trained next
+            self.cond_p, self.cond_g = self.received_inputs(self.table(self.ext))
         n = len(clients) * (self.engine.n_state - int(self.run_head.sum()) + self.ext.numel())
         return RoundReport(res.loss.mean(), self.comm(clients, up=n, down=n))
 
