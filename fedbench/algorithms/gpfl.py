@@ -61,9 +61,10 @@ the global phi; the head entries in it are not used) and its CoV + GCE parameter
 "model", ref = the global CoV + GCE, all E entries parameters: `n_params=E`); psi_i, p_i and
 g stay local.
 Buffers: the body's BatchNorm running statistics are averaged with the body (FedAvg's sample
-weights) and deployed with it (the authors' set_parameters copies parameters only: their
-clients keep their own; their models have no BatchNorm); g and p_i are buffers of the
-training module, one row per client, set by (5)/(7) and never trained.
+weights) and deployed with it (the authors' set_parameters copies parameters only, so
+their clients keep their own statistics: FedBN-like for their ResNet-18, moot for their
+CNNs without BatchNorm); g and p_i are buffers of the training module, one row per client,
+set by (5)/(7) and never trained.
 """
 
 from __future__ import annotations
