@@ -51,8 +51,10 @@ Uploads: each sampled client's trained body and head in the run model's layout (
 "model", ref = W^t), and once, in the initialization period, every client's zbar_i^g (kind
 "other"); zbar_i^p never leaves the client.
 Buffers: the body's BatchNorm running statistics are averaged with the body (FedAvg's sample
-weights) and deployed with it; the running mean zbar_i^g of D2 is a buffer of the training
-module, restarted every local run and uploaded only in the initialization period.
+weights) and deployed with it (the authors' set_parameters copies parameters only, so their
+clients keep their own statistics: FedBN-like for their ResNet-18); the running mean
+zbar_i^g of D2 is a buffer of the training module, restarted every local run and uploaded
+only in the initialization period.
 """
 
 from __future__ import annotations
