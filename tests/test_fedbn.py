@@ -12,7 +12,9 @@ import torch
 from conftest import SMALL_FMNIST_BN_CNN, TinyFed, compose, crash_and_resume, run_small
 
 
-def cnn_algo(norm: str, *over: str):
+def cnn_algo(norm: str, *over: str, plain_norm1: bool = False):
+    """FedBN on a CNN [conv-norm]x2-fc on TinyFed's features as 6x6 images; `plain_norm1`:
+    the first norm a BatchNorm without affine parameters."""
     from fedbench.algorithms import ALGORITHMS
     from fedbench.engine import Engine
     from fedbench.models import build_model
@@ -21,7 +23,13 @@ def cnn_algo(norm: str, *over: str):
     fed.x = fed.x.reshape(-1, 1, 1, 6).expand(-1, 1, 6, 6).contiguous()
     fed.input_shape = (1, 6, 6)
     opts = dict(preset=None, channels=[4, 4], fc=[8], kernel=3, padding=1, norm=norm)
-    model_fn = lambda: build_model("cnn", fed.input_shape, fed.num_classes, **opts)  # noqa: E731
+
+    def model_fn():
+        model = build_model("cnn", fed.input_shape, fed.num_classes, **opts)
+        if plain_norm1:
+            model.body.norm1 = torch.nn.BatchNorm2d(4, affine=False)
+        return model
+
     torch.manual_seed(0)
     eng = Engine(fed, model_fn(), device="cpu")
     cfg = compose(["algo=fedbn", "batch_size=8", "optim.lr=0.1", *over])
@@ -42,6 +50,28 @@ def test_the_batchnorm_layers_and_their_statistics_stay_local():
         assert bool(own[e.start : e.stop].all()) == (e.name.rsplit(".", 1)[0] in bns), e.name
         assert bool(own[e.start : e.stop].any()) == bool(own[e.start : e.stop].all())
     assert any(e.name.endswith("running_var") for e in eng.spec.buffers)
+
+
+@pytest.mark.quick
+def test_a_batchnorm_without_affine_parameters_keeps_its_statistics_local():
+    """Such a BatchNorm owns no parameter, so FedPer's rule (a personal parameter's module
+    keeps its buffers) would average its running statistics."""
+    algo, eng, _ = cnn_algo("batch", plain_norm1=True)
+    own = algo.personal_entries
+    names = {e.name for e in eng.spec.params + eng.spec.buffers if own[e.start : e.stop].all()}
+    assert names == {
+        "body.norm1.running_mean",
+        "body.norm1.running_var",
+        "body.norm2.weight",
+        "body.norm2.bias",
+        "body.norm2.running_mean",
+        "body.norm2.running_var",
+    }
+    assert algo.personal.shape == (algo.N, int(own.sum()))
+    before = algo.personal.clone()
+    algo.round(0, np.array([0, 2]))
+    assert torch.equal(algo.personal[1], before[1])  # client 1's statistics untouched
+    assert not torch.equal(algo.personal[0], algo.personal[2])  # each its own
 
 
 @pytest.mark.quick

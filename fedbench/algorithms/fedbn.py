@@ -5,21 +5,27 @@ Each client keeps its batch-normalization layers, their affine parameters and ru
 statistics; the server averages every other parameter. Round t, each sampled client i:
 start from (W^t, BN_i) (the shared weights with its own BN layers), train E epochs of the
 run's optimizer on its data, keep BN_i, upload the rest; the server sets
-W^{t+1} = sum_i w_i W_i with w_i = n_i / n (Algorithm 1's FedAvg weights; `weighting=
-uniform` for 1/C). Client i deploys (W^{t+1}, BN_i); a client never sampled deploys the
-initial BN layers. This is FedPer's round (fedbench/algorithms/fedper.py) with the
+W^{t+1} = sum_i w_i W_i with w_i = n_i / n (`weighting=samples`, FedAvg's, PFLlib's) or 1/C
+(`weighting=uniform`: the authors' code, `client_weights = [1/client_num ...]` in
+federated/fed_{digits,office,domainnet}.py; its Office-Caltech and DomainNet clients'
+training sets are cut to one size, where the two coincide). Client i deploys
+(W^{t+1}, BN_i). This is FedPer's round (fedbench/algorithms/fedper.py) with the
 normalization layers, not the last layers, as the part each client keeps.
 
-RECONSTRUCTION (the paper is about BatchNorm only):
-- `norm=batch` (the default, the paper's): the BatchNorm layers stay local; `norm=all` also
-  keeps GroupNorm / LayerNorm / InstanceNorm layers local (fedbench's ResNets normalize with
-  GroupNorm unless `model.norm=batch`);
+RECONSTRUCTION:
+- a client never sampled deploys (W^{t+1}, the initial BN layers: weight 1, bias 0, running
+  mean 0, variance 1): every client trains every round in the paper and the authors' code;
+  FL-bench and PFLlib likewise leave an unsampled client its initial BN layers;
+- `norm=batch` (the default, the paper's, which is about BatchNorm only): the BatchNorm
+  layers stay local; `norm=all` also keeps GroupNorm / LayerNorm / InstanceNorm layers local
+  (fedbench's ResNets normalize with GroupNorm unless `model.norm=batch`);
 - a model with no such layer (an MLP, a GroupNorm ResNet under `norm=batch`) leaves nothing
   local: the run is FedAvg whose clients deploy the global model (logged).
 Uploads: each client's trained state, of which the server uses the shared entries (kind
 "model", ref = the W^t it trained from). Communication: the shared entries, each way.
 Buffers: a normalization layer's running statistics stay with the client, with its affine
-parameters; every other buffer is averaged with the shared weights.
+parameters (also a BatchNorm without them); every other buffer is averaged with the shared
+weights.
 """
 
 from __future__ import annotations
@@ -57,15 +63,29 @@ class FedBNParams:
 class FedBN(FedPer):
     Params = FedBNParams
 
+    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
+        super().__init__(cfg, fed, engine, model_fn, **kw)
+        # FedPer keeps the buffers of the modules that own a personal parameter; a BatchNorm
+        # without affine parameters owns none, and its statistics stay local all the same
+        modules = self.norm_modules(engine)
+        for e in engine.spec.buffers:
+            if e.name.rsplit(".", 1)[0] in modules:
+                self.personal_entries[e.start : e.stop] = True
+        self.personal = self.base[self.personal_entries].repeat(self.N, 1)  # [N, K]
+
+    def norm_modules(self, engine) -> set[str]:
+        """The names of the model's normalization modules (`norm`)."""
+        kinds = NORMS[self.hp.norm]
+        return {n for n, m in engine.model.named_modules() if isinstance(m, kinds)}
+
     def personal_params(self, engine) -> list[str]:
         """The parameters of the model's normalization layers (`norm`)."""
-        kinds = NORMS[self.hp.norm]
-        modules = {n for n, m in engine.model.named_modules() if isinstance(m, kinds)}
+        modules = self.norm_modules(engine)
         names = [e.name for e in engine.spec.params if e.name.rsplit(".", 1)[0] in modules]
         if not modules:
             log.warning(
-                "fedbn: the model has no %s normalization layer: nothing stays local, the run "
-                "is FedAvg whose clients deploy the global model",
-                "batch" if self.hp.norm == "batch" else "",
+                "fedbn: the model has no %s layer: nothing stays local, the run is FedAvg "
+                "whose clients deploy the global model",
+                "BatchNorm" if self.hp.norm == "batch" else "normalization",
             )
         return names
