@@ -201,5 +201,7 @@ def test_resume_is_exact(tmp_path, monkeypatch):
     """Killed as round 2 starts, resumed from round 1's checkpoint: the global mean of the
     initialization period (round 0) comes back with the state, not recomputed."""
     over = ["algo=feddbe", "eval.every=1", "checkpoint.every=1", "participation=0.25"]
+    # the second engine's kept optimizer state (momentum) must come back too (WithTrainer)
+    over += ["optim.momentum=0.9", "optim.persist_state=true", "optim.lr=0.02"]
     full, resumed = crash_and_resume(tmp_path, monkeypatch, over, 3, die_at=2)
     assert (full["final"], full["best"]) == (resumed["final"], resumed["best"])

@@ -260,5 +260,7 @@ def test_learns_on_fmnist(tmp_path):
 @pytest.mark.slow
 def test_resume_is_exact(tmp_path, monkeypatch):
     over = ["algo=gpfl", "eval.every=1", "checkpoint.every=1", "participation=0.25"]
+    # the second engine's kept optimizer state (momentum) must come back too (WithTrainer)
+    over += ["optim.momentum=0.9", "optim.persist_state=true", "optim.lr=0.02"]
     full, resumed = crash_and_resume(tmp_path, monkeypatch, over, 3, die_at=2)
     assert (full["final"], full["best"]) == (resumed["final"], resumed["best"])
