@@ -174,8 +174,8 @@ class FedDBE(WithTrainer, Algorithm):
             momentum=self.hp.momentum,
         )
 
-    def initialization_period(self, t: int) -> int:
-        """D5's zbar^g from every client's local run of W^0 without DBE; floats moved."""
+    def initialization_period(self, t: int) -> tuple[int, int]:
+        """D5's zbar^g from every client's local run of W^0 without DBE; (floats up, down)."""
         everyone = np.arange(self.N)
         res = train_on(
             self,
