@@ -21,9 +21,13 @@ Local objective on a batch B, E epochs of the run's optimizer:
 (h_j = W_i^fe(x_j), g_j = W^fe(x_j); the biased estimator with the RBF mixture of the authors'
 code, `mmd2`), trained: W_i^fe, Theta_i, W_i^hd; frozen: W^hd, W^fe (Figure 2(a)'s legend:
 "Upload & Overwrite & Train", "Upload & Train", "Overwrite & Freeze"). The bandwidths are
-absolute, so lambda's pull depends on the features' scale: on fedbench's FMNIST MLP (feature
-norms ~3) the default lambda = 5 holds the extractor near the last global one and slows the
-first rounds markedly (tests/test_fedcp.py: 0.49 after 3 short rounds, 0.92 with lambda = 0).
+absolute, so lambda's pull depends on the features' scale and the learning rate. Measured on
+tests' FMNIST federation (20 clients, pat-2, MLP 784-64-10, feature norms ~3 at the start):
+at the run's default lr 0.05, lambda = 5 makes local training oscillate (MMD^2 ~3 of its
+maximum 8 within the first round) and the features collapse (mean norm 0.19 after 10 rounds,
+14 with lambda = 0): 0.53 personalized accuracy after 10 rounds, 0.95 with lambda = 1
+(PFLlib's default) or 0; at lr 0.01, 0.80 against 0.87 with lambda = 0. The authors pair
+lambda = 5 with lr 0.005 (their main.py's default).
 Server (Figure 2(b)), w_i = n_i / sum_{sampled} n_j:
     W^fe <- sum_i w_i W_i^fe,  Theta <- sum_i w_i Theta_i,  W^hd <- sum_i w_i U_i,
 with U_i the head client i uploads (`head_upload`). Client i then deploys (W^fe, Theta, W^hd,
@@ -46,8 +50,9 @@ code were available to us, so equation numbers other than Eq. (6) are not cited)
 - CPN = Linear(K, 2K), LayerNorm(2K), ReLU (the code's `ConditionalSelection(K, K)`; the
   figure's Linear -> LayerNorm -> ReLU), built once for all clients from the run's seed; the
   personalized head starts as a copy of the global head on every client, as in the code.
-- Partial participation: every client deploys the latest global parts (the code overwrites the
-  extractor of every client but the global head and CPN only of the round's clients).
+- Partial participation: every client deploys, and starts its next training from, the latest
+  global parts (the code overwrites the extractor of every client but the global head and CPN
+  only of the round's clients; the others keep those of their last round).
 The module is `CPModel` around the run's model, trained by its own engine with the run's
 settings; its state rows are [body | head (W^hd) | phead (W_i^hd) | cpn | gbody (W^fe) |
 buffers]. No global model is reported: a prediction needs a personalized head.
@@ -55,9 +60,10 @@ Uploads: W_i^fe with U_i and the extractor's buffers, in the run model's layout 
 ref = what the server sent), and Theta_i (kind "model", ref = Theta). Communication: those,
 each way (the server sends W^fe, W^hd, Theta; the client copies W^fe into its frozen copy).
 Buffers: the extractor's (BatchNorm running statistics) are averaged with it (weights >= 0) and
-copied into the frozen W^fe; the frozen copy runs in training mode in the MMD term as in the
-authors' code (batch statistics; its own running statistics are discarded). The CPN's
-LayerNorm has none.
+copied into the frozen W^fe (RECONSTRUCTION: the authors' code copies parameters only, so there
+each client keeps its own statistics); the frozen copy runs in training mode in the MMD term as
+in the authors' code (batch statistics; its own running statistics are discarded, never
+uploaded or deployed). The CPN's LayerNorm has none.
 """
 
 from __future__ import annotations
@@ -179,8 +185,12 @@ class FedCP(WithTrainer, Algorithm):
         if not all(hasattr(base, a) for a in ("body", "head", "feature_dim")):
             raise ConfigError("fedcp needs a model with a body/head split (models.FedModel)")
         engine.to_module(engine.initial_state(), base)
-        with torch.random.fork_rng(devices=[]):  # the CPN's initialization from the run's seed
-            torch.manual_seed(self.run.seed)
+        # the CPN's initialization from a stream of its own derived from the run's seed: the
+        # run's model was drawn right after torch.manual_seed(seed), so that seed itself would
+        # make the CPN's weight a rescaled copy of the body's first layer
+        cpn_seed = int(np.random.SeedSequence([self.run.seed, 0xC9]).generate_state(1)[0])
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cpn_seed)
             model = CPModel(base, self.hp.tau)
         self.trainer = make_engine(self, model)
         spec, dev = self.trainer.spec, self.device
