@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import crash_and_resume, make_algo, run_small
+from conftest import TinyFed, crash_and_resume, make_algo, run_small
 from fedbench.algorithms.fedbabu import FINETUNE_SALT
 
 
@@ -103,6 +103,63 @@ def test_no_finetuning_deploys_the_global_model():
     algo, _, _ = make_algo("fedbabu", ["algo.finetune_epochs=0"])
     algo.round(0, np.array([0, 2]))
     assert all(torch.equal(algo.personal_state(i), algo.w) for i in range(3))
+
+
+class AugmentedFed(TinyFed):
+    """TinyFed whose training reads draw from one augmentation stream, as Federation's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.augment = True
+        self.gen = torch.Generator().manual_seed(3)
+
+    def batch(self, idx, train=True):
+        x, y = super().batch(idx, train)
+        if train:
+            x = x + 0.1 * torch.randn(x.shape, generator=self.gen)
+        return x, y
+
+    def rng_state(self) -> torch.Tensor:
+        return self.gen.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.gen.set_state(state)
+
+
+@pytest.mark.quick
+def test_evaluating_does_not_change_training_under_augmentation():
+    """Fine-tuning at an evaluation reads augmented batches; the stream is put back, so a
+    round after an evaluation trains exactly as without it (eval.every never changes a
+    run)."""
+    runs = []
+    for evaluate in (False, True):
+        algo, _, fed = make_algo("fedbabu", ["algo.finetune_epochs=1"], fed=AugmentedFed())
+        algo.round(0, np.arange(3))
+        before = fed.rng_state().clone()
+        if evaluate:
+            algo.personal_state(0)  # fine-tunes every client: augmented reads
+            assert torch.equal(fed.rng_state(), before)
+        algo.round(1, np.arange(3))
+        runs.append(algo.w.clone())
+    assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.quick
+def test_finetune_lr_fixed_or_the_rounds():
+    algo, eng, _ = make_algo("fedbabu", ["algo.finetune_lr=0.001", "optim.lr_decay=0.5"])
+    calls = []
+    real = eng.train
+    eng.train = lambda *a, **kw: calls.append(kw["lr"]) or real(*a, **kw)
+    algo.round(3, np.arange(3))
+    algo.personal_state(0)
+    assert calls[-1] == 0.001
+    algo, eng, _ = make_algo("fedbabu", ["optim.lr_decay=0.5"])
+    calls.clear()
+    real = eng.train
+    eng.train = lambda *a, **kw: calls.append(kw["lr"]) or real(*a, **kw)
+    algo.round(3, np.arange(3))
+    algo.personal_state(0)
+    assert calls == [0.1 * 0.5**3] * 2  # the round's training and its fine-tuning
 
 
 @pytest.mark.slow

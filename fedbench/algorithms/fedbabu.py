@@ -37,12 +37,16 @@ RECONSTRUCTION (the paper leaves these open):
   evaluation notebook fine-tunes body and head together with one learning rate, as PFLlib
   (`fine_tune(['base', 'head'])`) and FL-bench (the whole model) do: `full` by default,
   `head` the abstract's reading;
-- fine-tuning learning rate: the run's lr at the last trained round (`optim.lr_at`). The
-  authors' notebook fine-tunes at 1e-3, which is the lr their step schedule (0.1, x0.1 at
-  1/2 and 3/4 of the rounds) ends at; their optimizer is SGD with the training momentum,
-  fresh for the fine-tuning, as here (`persist_state` is not applied to it);
+- fine-tuning learning rate (`finetune_lr`): null (default) is the run's lr at the last
+  trained round (`optim.lr_at`); the authors' notebook fine-tunes at 1e-3, which is the lr
+  their step schedule (0.1, x0.1 at 1/2 and 3/4 of the rounds) ends at, so null equals
+  theirs under their schedule (`finetune_lr=0.001` fixes it); their optimizer is SGD with
+  the training momentum, fresh for the fine-tuning, as here (`persist_state` is not applied
+  to it);
 - fine-tuning batches: the engine's schedule for (seed, round, client) with their own salt,
-  so they differ from the round's training batches and are the same on every backend;
+  so they differ from the round's training batches and are the same on every backend; with
+  `data.augment` the fine-tuning reads the federation's augmentation stream and puts its
+  state back afterwards, so how often a run evaluates never changes its training;
 - the paper fine-tunes once, after training; we fine-tune at every evaluation (from the
   global model then), so the personalized curve is FedBABU's fine-tuned accuracy over
   rounds (PFLlib evaluates the un-fine-tuned model during training and fine-tunes once at
@@ -68,7 +72,7 @@ import torch
 
 from fedbench.algorithms._shared import state_entries
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
-from fedbench.algorithms.params import Weighting, hp
+from fedbench.algorithms.params import Weighting, hp, positive
 from fedbench.engine import TrainResult
 from fedbench.errors import ConfigError
 
@@ -79,6 +83,7 @@ FINETUNE_SALT = 7  # the fine-tuning batches: their own stream, not the round's 
 class FedBABUParams:
     finetune_epochs: int = hp(ge=0)  # tau_f: personalization epochs (0: the global model)
     finetune_part: Literal["full", "head", "body"]  # what fine-tuning updates
+    finetune_lr: float | None = positive()  # fine-tuning lr (null: the run's lr at the round)
     weighting: Weighting  # body average: samples (n_i / n) | uniform (1/C)
 
 
@@ -110,10 +115,12 @@ class FedBABU(Algorithm):
         """Clients `clients` fine-tune `w` [D] (or their rows [C, D]) on their training data:
         `finetune_epochs` epochs of `finetune_part`, the run's optimizer from a fresh state,
         the lr of round t."""
+        lr = self.optim.lr_at(t) if self.hp.finetune_lr is None else self.hp.finetune_lr
         return self.local_train(
             w,
             clients,
             t,
+            lr=lr,
             epochs=self.hp.finetune_epochs,
             trainable=self.finetune_mask,
             salt=FINETUNE_SALT,
@@ -126,7 +133,11 @@ class FedBABU(Algorithm):
         call for all clients, kept until the global model changes."""
         if self._tuned is None or self._tuned[0] is not self.w:
             # called from evaluations (under no_grad): Engine.train enables autograd itself
+            # evaluation must not move the augmentation stream training reads next
+            aug = self.fed.rng_state() if hasattr(self.fed, "rng_state") else None
             rows = self.finetune(self.w, np.arange(self.N), self.last_round).states
+            if aug is not None:
+                self.fed.set_rng_state(aug)
             self._tuned = (self.w, rows)
         return self._tuned[1]
 
