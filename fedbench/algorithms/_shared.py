@@ -10,7 +10,8 @@ underscore keeps it out of the registry scan).
 - `mix_parameters`: a server's combination of clients' models with the paper's (possibly
   signed) coefficients, on the parameters only; buffers (BatchNorm running statistics)
   come from a given row, never from a signed combination (a negative variance otherwise).
-- `class_means`: per-class mean features over index sets (FedProto's prototypes).
+- `class_means` / `feature_moments`: per-class mean features over index sets (FedProto's
+  prototypes, FedPAC's centroids), with the sum of squared feature norms (FedPAC's V_i).
 - `entry_index`: the flat-state indices of named parameters/buffers (an algorithm's own
   module trained on a second engine: FedDBE's PRBM, GPFL's CoV and GCE).
 - `TrainSubset` / `make_engine` / `train_on` / `WithTrainer`: a second engine over a
@@ -110,24 +111,36 @@ def mix_parameters(
 
 
 @torch.no_grad()
+@torch.no_grad()
+def feature_moments(
+    engine: Engine, state: torch.Tensor, idx: torch.Tensor, num_classes: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Over pool indices `idx` (eval mode, no augmentation): the class means of
+    `model.features(x)` ([K, F], zero where absent), the class counts [K] and
+    sum_l ||f(x_l)||^2 (0-d; FedPAC's feature variance)."""
+    engine.load(state)
+    model = engine.model
+    model.eval()
+    sums = torch.zeros(num_classes, model.feature_dim, device=engine.device)
+    counts = torch.zeros(num_classes, device=engine.device)
+    sq = torch.zeros((), device=engine.device)
+    bs = engine.eval_batch_size
+    for s in range(0, int(idx.numel()), bs):
+        x, y = engine.fed.batch(idx[s : s + bs], train=False)
+        f = model.features(x)
+        sums.index_add_(0, y, f)
+        counts += torch.bincount(y, minlength=num_classes)
+        sq += (f * f).sum()
+    return sums / counts.clamp_min(1)[:, None], counts, sq
+
+
 def class_means(
     engine: Engine, state: torch.Tensor, idx: torch.Tensor, num_classes: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean of `model.features(x)` per class over pool indices `idx` (no augmentation, eval
     mode): ([K, F] means, zero where absent; [K] sample counts)."""
-    engine.load(state)
-    model = engine.model
-    model.eval()
-    sums, counts = None, torch.zeros(num_classes, device=engine.device)
-    bs = engine.eval_batch_size
-    for s in range(0, int(idx.numel()), bs):
-        x, y = engine.fed.batch(idx[s : s + bs], train=False)
-        f = model.features(x)
-        if sums is None:
-            sums = torch.zeros(num_classes, f.shape[1], device=f.device)
-        sums.index_add_(0, y, f)
-        counts += torch.bincount(y, minlength=num_classes)
-    return sums / counts.clamp_min(1)[:, None], counts
+    means, counts, _ = feature_moments(engine, state, idx, num_classes)
+    return means, counts
 
 
 def entry_index(spec: ModelSpec, names: Sequence[str], device: torch.device | str) -> torch.Tensor:

@@ -72,11 +72,11 @@ import torch
 import torch.nn.functional as F
 
 from fedbench.algorithms._qp import gram, min_norm_weights
-from fedbench.algorithms._shared import state_entries
+from fedbench.algorithms._shared import feature_moments, state_entries
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.fedproto import aggregate_prototypes
 from fedbench.algorithms.params import Weighting, hp, nonneg, positive
-from fedbench.engine import Engine, TrainResult
+from fedbench.engine import TrainResult
 from fedbench.errors import ConfigError
 
 ALPHA_EPS = 1e-3  # combination weights below this are dropped (the authors' `eps`)
@@ -93,30 +93,6 @@ class FedPACParams:
 
 
 # ---------------------------------------------------------------------- the pieces, as functions
-@torch.no_grad()
-def feature_moments(
-    engine: Engine, state: torch.Tensor, idx: torch.Tensor, num_classes: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Over pool indices `idx` (eval mode, no augmentation): the class means of
-    `model.features(x)` ([K, d], zero where absent), the class counts [K] and
-    sum_l ||f(x_l)||^2 (0-d)."""
-    engine.load(state)
-    model = engine.model
-    model.eval()
-    d = model.feature_dim
-    sums = torch.zeros(num_classes, d, device=engine.device)
-    counts = torch.zeros(num_classes, device=engine.device)
-    sq = torch.zeros((), device=engine.device)
-    bs = engine.eval_batch_size
-    for s in range(0, int(idx.numel()), bs):
-        x, y = engine.fed.batch(idx[s : s + bs], train=False)
-        f = model.features(x)
-        sums.index_add_(0, y, f)
-        counts += torch.bincount(y, minlength=num_classes)
-        sq += (f * f).sum()
-    return sums / counts.clamp_min(1)[:, None], counts, sq
-
-
 def client_statistics(
     means: torch.Tensor, counts: torch.Tensor, sq: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
