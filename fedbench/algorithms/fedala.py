@@ -10,52 +10,65 @@ of Θ^{t-1} with its old local model θ_i^{t-1}:
 
 The lower layers take Θ^{t-1} outright; the K parameter entries of the top p layers mix
 element-wise with weights W_i in [0, 1]^K, learned on a random s% sample D_i^{s,t} of the
-client's training data, one step per mini-batch:
+client's training data, one step per mini-batch, then clipped (σ, lines 11 and 14):
 
     W_i <- clip(W_i - η ∇_{W_i} L(θ̂_i^t, D_i^{s,t}), 0, 1),                          (eq. 5)
     ∇_{W_i} L = (∇_{θ̂} L)_top ⊙ (Θ^{t-1} - θ_i^{t-1})_top                          (eq. 6)
 
 (L the mean cross-entropy of a batch; the gradient is autograd's through `engine.
 functional_logits`, which is the product of eq. 6). W_i starts at ones and carries over
-across rounds. Start phase (Algorithm 1 lines 7-10): the first time a client runs ALA, the
-steps repeat over D_i^{s,t} epoch after epoch until the losses converge: the authors' rule,
-stop after epoch e once e > num_pre_loss and the (population) standard deviation of the last
-num_pre_loss recorded losses is below `threshold`, the recorded loss of an epoch being that of
-its last batch, computed before its step. Every later ALA runs one epoch (line 12). Then the
-client trains θ̂_i^t E epochs with the run's optimizer (eq. 7, `Algorithm.local_train`) to
-θ_i^t, keeps it and uploads it; the server averages Θ^t = sum_i (n_i / n) θ_i^t over the round's
-clients (line 16; `server_step`, so `server_opt` applies). Client i deploys θ_i^t, its model
-after its last local training (the local models Algorithm 1 returns); a client never sampled
-deploys Θ (docs/metrics.md).
+across rounds. Start phase (Algorithm 1 lines 8-11, "if t = 2"): the first time a client runs
+ALA, the steps repeat over D_i^{s,t} epoch after epoch until the losses converge: the
+authors' rule, stop after epoch e once e > num_pre_loss and the (population) standard
+deviation of the last num_pre_loss recorded losses is below `threshold`, the recorded loss of
+an epoch being that of its last batch, computed before its step. Every later ALA runs one
+epoch (lines 12-14). Then the client trains θ̂_i^t E epochs with the run's optimizer (line
+16, `Algorithm.local_train`) to θ_i^t, keeps it and uploads it; the server averages
+Θ^t = sum_i (n_i / n) θ_i^t over the round's clients (line 18; `server_step`, so `server_opt`
+applies).
+Deployed model: Algorithm 1 returns the initialized local models θ̂_1, ..., θ̂_N (its
+Output and line 19), and the authors score the models right after ALA, before training
+(serverALA.train: send_models, whose local_initialization runs ALA, then evaluate). So
+client i deploys the θ̂_i it would train from next: the ALA of the current Θ with its θ_i,
+from its W_i, on the next round's sample (one epoch, or its start phase if it has not run
+one), computed at evaluation and kept nowhere (the next round computes the same again). A
+client never sampled deploys Θ (eq. 4 with W = 1 from Θ^0; docs/metrics.md). Its model after
+its last local training, θ_i^t, is reported beside it as model kind `trained`.
 Defaults: η = 1, s = 80, p = 1 (the classifier head) (the authors' run_me.sh), threshold
 0.01 (the paper's, by the authors' README; their ALA.py default is 0.1 since June 2023),
 num_pre_loss 10 (ALA.py).
 
 RECONSTRUCTION (where the paper leaves it open, from the authors' ALA.py):
 - ALA is skipped while θ_i^{t-1} = Θ^{t-1} (nothing to aggregate: every client at t = 1,
-  when all hold Θ^0); the start phase is then the client's first ALA that runs (the
-  authors' `start_phase` flag). The authors test the first parameter tensor; we test all.
+  when all hold Θ^0); the start phase (the paper's "if t = 2", every client's first ALA at
+  full participation) is then the client's first ALA that runs (the authors' `start_phase`
+  flag). The authors test the first parameter tensor; we test all.
 - a client's local model before its first participation is Θ^0 (line 1: "Server sends Θ^0
   to all clients to initialize local models"), so a client first sampled in a later round
   runs its start phase between Θ^0 and Θ^{t-1}; W_i = 1 starts it from Θ^{t-1}. ALA runs on
   the round's sampled clients (lines 4-5); the authors' code runs it on every client every
   round, which is the same at their join ratio 1.
 - D_i^{s,t}: the first int(s n_i / 100) samples of a permutation of the client's training
-  data seeded by (seed, round, client) (`Engine.batches` with its own salt; at least one
-  sample), in batches of the run's batch size, the last one partial, the same batches in
-  the same order every epoch (the authors: a random contiguous slice of their unshuffled
-  data, an unshuffled loader with drop_last=False).
+  data seeded by (seed, round, client) (`Engine.schedule` with its own salt; at least one
+  sample), read without data augmentation (the authors' ALA reads their un-augmented
+  tensors; an evaluation's ALA must not draw from the federation's augmentation stream), in
+  batches of the run's batch size, the last one partial, the same batches in the same order
+  every epoch (the authors: a random contiguous slice of their unshuffled data, an
+  unshuffled loader with drop_last=False).
 - p counts units of `model.layers()` (a Conv/Linear with its norm); the authors'
   `layer_idx` counts parameter tensors (their -p 2 = the head's weight and bias = p 1 here).
 - the start phase stops after at most `max_start_epochs` epochs (not in the paper: the
   authors' README warns that too small a threshold can leave the loop running forever);
   the default 1000 is far above what the default threshold takes (24 to 39 epochs on the
   tests' FMNIST federation, 11 at least).
+- the deployed θ̂_i is computed at evaluation from the kept state and dropped, so an
+  evaluation changes nothing (`eval.every` leaves the results alone); the authors' evaluated
+  θ̂_i is the one their next local training starts from, the same model for a sampled client.
 - the weight learning forwards in training mode (BatchNorm on batch statistics; the
   authors' local model is in training mode there); running statistics its forwards update
   are discarded, as the authors discard their temporary model.
 The weight learning is FedALA's own step on W (the model's parameters are never stepped
-there), written with the engine's pieces: `Engine.batches`, `Engine.functional_logits`,
+there), written with the engine's pieces: `Engine.schedule`, `Engine.functional_logits`,
 autograd; `Engine.train` trains model parameters with the run's optimizer and cannot train
 a reparametrization's weights. With ALA on the head alone (p = 1), the body's features at
 Θ^{t-1} (which W does not change) are computed once per batch and the steps run the head
@@ -147,7 +160,8 @@ class FedALA(TrainedOrGlobal, Algorithm):
     Params = FedALAParams
     attackable = True
     server_optimizable = True  # server_opt steps on the average
-    state_keys = ("w", "theta", "seen", "ala_weights", "started")
+    state_keys = ("w", "theta", "seen", "ala_weights", "started", "next_round")
+    extra_kinds = ("trained",)  # θ_i^t, the model after the client's last local training
 
     def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
         super().__init__(cfg, fed, engine, model_fn, **kw)
@@ -167,15 +181,17 @@ class FedALA(TrainedOrGlobal, Algorithm):
         self.init_rows()  # theta [N, D]: Θ^0 until a client's first training (line 1)
         self.ala_weights = torch.ones(self.N, self.top.numel(), device=self.device)  # W [N, K]
         self.started = torch.zeros(self.N, dtype=torch.bool, device=self.device)  # start done
+        self.next_round = 0  # the round whose ALA an evaluation computes (its s% sample)
 
     def ala_batches(self, c: int, t: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """D_c^{s,t} in batches: the first int(s n_c / 100) samples (at least 1) of a seeded
-        permutation of the client's training data."""
+        permutation of the client's training data, without augmentation."""
         n = int(self.fed.train_idx[c].numel())
         m = max(1, int(self.hp.rand_percent / 100 * n))
-        x, y = next(self.engine.batches(c, n, epochs=1, round=t, salt=ALA_SALT))
+        idx, _ = self.engine.schedule(c, n, epochs=1, round=t, salt=ALA_SALT)  # one row
+        x, y = self.fed.batch(idx[0, :m], train=False)
         B = self.run.batch_size
-        return list(zip(x[:m].split(B), y[:m].split(B)))
+        return list(zip(x.split(B), y.split(B)))
 
     def forward_of(
         self, glob: torch.Tensor, buffers: torch.Tensor, batches: list
@@ -233,4 +249,20 @@ class FedALA(TrainedOrGlobal, Algorithm):
         self.set_trained(idx, res.states)
         up = self.receive(res.states, clients, ref=self.w)
         self.w = self.server_step("w", self.w, self.weights(clients) @ up)
+        self.next_round = t + 1
         return RoundReport(res.loss.mean(), self.comm(clients), {"ala_epochs": np.mean(epochs)})
+
+    def personal_state(self, i: int) -> torch.Tensor:
+        """θ̂_i, what client i would train from next (Algorithm 1's output, where the authors
+        evaluate): its ALA on the current Θ, nothing kept; Θ if it was never sampled."""
+        if not bool(self.seen[i]):
+            return self.w
+        with torch.enable_grad():  # evaluations run under no_grad; ALA learns W
+            return self.ala(i, self.next_round)[0]
+
+    def personal_states(self) -> torch.Tensor:
+        return torch.stack([self.personal_state(i) for i in range(self.N)])
+
+    def extra_correct(self, kind: str, i: int, idx: torch.Tensor) -> torch.Tensor:
+        """`trained`: client i's model after its last local training (Θ if never sampled)."""
+        return self.engine.correct(TrainedOrGlobal.personal_state(self, i), idx)
