@@ -57,6 +57,8 @@ RECONSTRUCTION (where the paper leaves it open, from the authors' ALA.py):
   unshuffled loader with drop_last=False).
 - p counts units of `model.layers()` (a Conv/Linear with its norm); the authors'
   `layer_idx` counts parameter tensors (their -p 2 = the head's weight and bias = p 1 here).
+  Only p = 1 (the head) means the same in the paper: its p > 1 counts coarse blocks (on
+  ResNet-18 its p = 2 is the whole last stage, 8.4M weights), ours the next conv unit.
 - the start phase stops after at most `max_start_epochs` epochs (not in the paper: the
   authors' README warns that too small a threshold can leave the loop running forever);
   the default 1000 is far above what the default threshold takes (24 to 39 epochs on the
