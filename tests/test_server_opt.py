@@ -95,6 +95,37 @@ def test_sgd_at_lr_one_is_plain_averaging_to_the_bit(algo):
         assert torch.equal(a, b), key
 
 
+# the attribute holding the server's averaged model, where it is not `w`
+SERVER_MODEL = {"fedper": "base", "fedbn": "base", "fedrep": "phi", "plgu_grep": "phi"}
+SERVER_MODEL |= {"fedpac": "theta", "fedem": "components"}
+
+
+def server_optimizable() -> list[str]:
+    from fedbench.algorithms import ALGORITHMS
+
+    return sorted(n for n in ALGORITHMS.names() if ALGORITHMS.get(n).server_optimizable)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("algo", server_optimizable())
+def test_each_server_steps_from_the_model_it_sent(algo):
+    """x of `server_step` is the server's model before the round: at server SGD lr 1/2 the
+    new model is lerp(old, the plain round's new model, 1/2) (entries the server keeps
+    unchanged stay so); lr 1 (the test above) cannot tell a wrong x from the right one."""
+    a, _, _ = make_algo(algo)
+    key = SERVER_MODEL.get(algo, "w")
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in a.state_dict().items()}
+    old = getattr(a, key).clone()
+    clients = np.array([0, 1, 2])
+    a.round(0, clients)
+    plain = getattr(a, key).clone()
+    assert not torch.equal(plain, old)
+    a.load_state_dict(saved)  # the same round again, under server SGD at lr 1/2
+    a.server_opt = ServerOptimizer(ServerOptSettings(name="sgd", lr=0.5))
+    a.round(0, clients)
+    torch.testing.assert_close(getattr(a, key), torch.lerp(old, plain, 0.5))
+
+
 @pytest.mark.quick
 def test_fedavg_with_fedadam_steps_from_its_average():
     """FedAvg's server under server_opt=adam: w^{t+1} = w^t + lr m / (sqrt(v) + tau), from

@@ -18,7 +18,11 @@ paper's baseline): v <- momentum v + Delta; x <- x + lr v. With momentum 0 it is
 as lerp(x, avg, lr), which at lr 1 is avg to the bit: `server_opt=sgd server_opt.lr=1
 server_opt.momentum=0` is today's averaging exactly, as is `server_opt=none` (the default).
 
-RECONSTRUCTION: m starts at 0 (the paper initializes only v).
+RECONSTRUCTION: m starts at 0 (the paper initializes only v). The authors' code
+(google-research/federated, utils/optimizers/optimizer_utils.py) runs Keras's Adam (v from 0,
+a bias-corrected step), Keras's Adagrad (no m) and its own Yogi (utils/optimizers/yogi.py: a
+bias-corrected step, v from `initial_accumulator_value`); Flower's FedAdam bias-corrects its
+step and its FedAdagrad has beta1 = 0, both with v from 0. Here: Algorithm 2 as written.
 Buffers (BatchNorm running statistics): not parameters; they take the average, as without a
 server optimizer. The optimizer's state (m, v per averaged vector) is checkpointed with the
 algorithm.
