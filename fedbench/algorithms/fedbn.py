@@ -5,14 +5,16 @@ Each client keeps its batch-normalization layers, their affine parameters and ru
 statistics; the server averages every other parameter. Round t, each sampled client i:
 start from (W^t, BN_i) (the shared weights with its own BN layers), train E epochs of the
 run's optimizer on its data, keep BN_i, upload the rest; the server sets
-W^{t+1} = sum_i w_i W_i with w_i = n_i / n (`weighting=samples`, FedAvg's, PFLlib's) or 1/C
-(`weighting=uniform`: the authors' code, `client_weights = [1/client_num ...]` in
-federated/fed_{digits,office,domainnet}.py; its Office-Caltech and DomainNet clients'
-training sets are cut to one size, where the two coincide). Client i deploys
+W^{t+1} = sum_i w_i W_i with w_i = 1/C (`weighting=uniform`, the default: the authors' code,
+`client_weights = [1/client_num ...]` in federated/fed_{digits,office,domainnet}.py) or
+n_i / n (`weighting=samples`, FedAvg's, PFLlib's; the authors' Office-Caltech and DomainNet
+clients' training sets are cut to one size, where the two coincide). Client i deploys
 (W^{t+1}, BN_i). This is FedPer's round (fedbench/algorithms/fedper.py) with the
 normalization layers, not the last layers, as the part each client keeps.
 
 RECONSTRUCTION:
+- the weights: we could not read the paper's Algorithm 1; uniform is the authors' code in
+  all three of its scripts;
 - a client never sampled deploys (W^{t+1}, the initial BN layers: weight 1, bias 0, running
   mean 0, variance 1): every client trains every round in the paper and the authors' code;
   FL-bench and PFLlib likewise leave an unsampled client its initial BN layers;
