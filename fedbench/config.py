@@ -265,15 +265,27 @@ class SgdServerOpt:
 
 
 @dataclass
-class AdagradServerOpt:
+class AdaptiveServerOpt:
     lr: float = positive()
     beta1: float = hp(ge=0, lt=1)
     tau: float = positive()
+    # paper: Algorithm 2 as printed; authors_code: the authors' Keras/Yogi optimizers
+    variant: Literal["paper", "authors_code"]
 
 
 @dataclass
-class AdamServerOpt(AdagradServerOpt):
+class AdagradServerOpt(AdaptiveServerOpt):
+    initial_accumulator: float | None = nonneg()  # v's start (null: the variant's own)
+
+
+@dataclass
+class AdamServerOpt(AdaptiveServerOpt):
     beta2: float = hp(ge=0, lt=1)
+
+
+@dataclass
+class YogiServerOpt(AdamServerOpt):
+    initial_accumulator: float | None = nonneg()
 
 
 SERVER_OPT = {
@@ -281,7 +293,7 @@ SERVER_OPT = {
     "sgd": SgdServerOpt,
     "adagrad": AdagradServerOpt,
     "adam": AdamServerOpt,
-    "yogi": AdamServerOpt,
+    "yogi": YogiServerOpt,
 }
 
 GROUPS = {"data": DATA, "split": SPLIT, "model": MODEL, "server_opt": SERVER_OPT}
@@ -309,6 +321,7 @@ def check_config(cfg: DictConfig | dict) -> None:
     type and in its range; `algo` is checked by the algorithm's `Params`. Reads no file but
     `data.root`'s kind (a directory, or absent)."""
     from fedbench.algorithms import ALGORITHMS
+    from fedbench.algorithms._server import ServerOptSettings
     from fedbench.algorithms.params import check_params
 
     node = {k: v for k, v in plain(cfg).items() if k != "hydra"}
@@ -330,6 +343,7 @@ def check_config(cfg: DictConfig | dict) -> None:
                 raise ConfigError(f"{g}.{key}={sub[key]!r} must be {valid}")
             sub.pop(key, None)
         check_node(sub, options[name], g, f"{g}={name}", f"conf/{g}/{name}.yaml")
+    ServerOptSettings.from_cfg(groups["server_opt"])  # its checks across keys
     algo = str(groups["algo"]["name"])
     algo_cls = ALGORITHMS.get(algo)
     check_params(groups["algo"], algo_cls.Params, algo)

@@ -175,7 +175,11 @@ def _log_file(path: Path) -> Iterator[None]:
 # schedule follow it.)
 # Keys added to the config after runs were saved, with the value a run without them had: a
 # resume or resume=auto of such a run is not refused for the key's absence.
-ABSENT_MEANS = {"server_opt.name": "none"}
+ABSENT_MEANS = {
+    "server_opt.name": "none",
+    "server_opt.variant": "paper",  # Algorithm 2 as printed, all there was before the key
+    "server_opt.initial_accumulator": None,
+}
 
 RESUME_MAY_CHANGE = (
     "rounds",

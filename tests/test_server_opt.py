@@ -1,9 +1,14 @@
 """Server optimizers (fedbench/algorithms/_server.py, `server_opt=`): each against its update
 rule by hand, SGD at lr 1 equal to plain averaging to the bit, buffers averaged, state
 checkpointed (resume exact), refused where the server does not average, and FedAvg with
-FedAdam / FedAvgM learning on real FMNIST."""
+FedAdam / FedAvgM learning on real FMNIST; `server_opt.variant=authors_code` against the
+authors' optimizers (Keras's Adagrad and Adam, their yogi.py) written out in float64, its
+state (with the step count) checkpointed, and configs saved before the key resuming."""
 
 from __future__ import annotations
+
+import io
+import math
 
 import numpy as np
 import pytest
@@ -207,3 +212,173 @@ def test_fedavg_learns_fmnist_with_a_server_optimizer(tmp_path, over, bar):
     (seen: FedAdam 0.727, FedAvgM 0.752, plain FedAvg 0.725; chance 0.1)."""
     summary, _ = run_small(tmp_path, ["algo=fedavg", "optim.lr=0.05", *over], 10)
     assert summary["final"]["global"]["G"]["avg"] > bar
+
+
+# ------------------------------------------------------- variant authors_code (RECONSTRUCTION)
+def authors_reference(name: str, x0: np.ndarray, avgs: list[np.ndarray], **hp) -> np.ndarray:
+    """The authors' server optimizers as their code runs them, in numpy (float64): TFF hands
+    the optimizer g = -Delta (fed_avg_schedule.py: `-1.0 * weights_delta`), Keras's Adagrad
+    (ResourceApplyAdagradV2: accum += g^2; var -= lr g / (sqrt(accum) + epsilon)), Keras's
+    Adam (ResourceApplyAdam: m += (g - m)(1 - beta1); v += (g^2 - v)(1 - beta2); var -=
+    lr sqrt(1 - beta2^t) / (1 - beta1^t) m / (sqrt(v) + epsilon)) and yogi.py (v += (1 -
+    beta2) sign(g^2 - v) g^2, the same corrected step), with epsilon = tau, t = 1, 2, ...
+    and the accumulator from `initial_accumulator` (0 if None)."""
+    lr, tau = hp["lr"], hp["tau"]
+    b1, b2 = hp.get("beta1", 0.0), hp.get("beta2", 0.0)
+    var = x0.astype(np.float64).copy()
+    m = np.zeros_like(var)
+    accum = np.full_like(var, hp.get("initial_accumulator") or 0.0)
+    for t, avg in enumerate(avgs, start=1):
+        g = -(avg - var)
+        if name == "adagrad":
+            accum = accum + g * g
+            var = var - lr * g / (np.sqrt(accum) + tau)
+            continue
+        m = m + (g - m) * (1 - b1)
+        if name == "adam":
+            accum = accum + (g * g - accum) * (1 - b2)
+        else:
+            accum = accum + (1 - b2) * np.sign(g * g - accum) * (g * g)
+        alpha = lr * math.sqrt(1 - b2**t) / (1 - b1**t)
+        var = var - alpha * m / (np.sqrt(accum) + tau)
+    return var
+
+
+AUTHORS_CASES = [
+    ("adagrad", {"lr": 0.1, "beta1": 0.0, "tau": 1e-2}),
+    ("adagrad", {"lr": 0.3, "beta1": 0.0, "tau": 1e-3, "initial_accumulator": 0.1}),
+    ("adam", {"lr": 0.1, "beta1": 0.9, "beta2": 0.999, "tau": 1e-3}),
+    ("adam", {"lr": 0.05, "beta1": 0.0, "beta2": 0.9, "tau": 1e-1}),
+    ("yogi", {"lr": 0.1, "beta1": 0.9, "beta2": 0.999, "tau": 1e-3}),
+    ("yogi", {"lr": 0.05, "beta1": 0.5, "beta2": 0.9, "tau": 1e-2, "initial_accumulator": 1.0}),
+]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name,hp", AUTHORS_CASES)
+def test_authors_code_variant_computes_the_authors_optimizers(name, hp):
+    """Four rounds of `variant: authors_code` against the authors' optimizers' formulas
+    (float64, 1e-12); the bias-corrected ones keep their step count t, Adagrad keeps no m;
+    the result differs from `variant: paper` on the same settings (but for Adagrad from the
+    same start, below)."""
+    rng = np.random.default_rng(1)
+    x0 = rng.normal(size=9)
+    avgs = [x0 + rng.normal(scale=0.4, size=9) * (k + 1) for k in range(4)]
+    opt = ServerOptimizer(ServerOptSettings(name=name, variant="authors_code", **hp))
+    x = torch.tensor(x0, dtype=torch.float64)
+    for k, avg in enumerate(avgs):
+        x = opt.step("w", x, torch.tensor(avg, dtype=torch.float64), slice(0, 9))
+        want = authors_reference(name, x0, avgs[: k + 1], **hp)
+        np.testing.assert_allclose(x.numpy(), want, rtol=1e-12, atol=1e-12)
+    st = opt.state["w"]
+    assert set(st) == ({"v"} if name == "adagrad" else {"m", "v", "t"})
+    if name != "adagrad":
+        assert int(st["t"]) == 4
+    paper = ServerOptimizer(ServerOptSettings(name=name, **hp))
+    y = torch.tensor(x0, dtype=torch.float64)
+    for avg in avgs:
+        y = paper.step("w", y, torch.tensor(avg, dtype=torch.float64), slice(0, 9))
+    if name == "adagrad" and hp.get("initial_accumulator") is not None:
+        # Keras's Adagrad is Algorithm 2's FedAdagrad at beta1 0 from the same v: the
+        # variants differ only in v's start (0, not tau^2) and in refusing beta1 > 0
+        np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=1e-12, atol=1e-12)
+    else:
+        assert not torch.allclose(x, y, rtol=1e-3, atol=0)  # the variants do differ
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", ["adam", "yogi"])
+def test_authors_first_step_is_bias_corrected(name):
+    """By hand: from m = v = 0 the first corrected step is lr_t m / (sqrt(v) + tau) with
+    lr_t = lr sqrt(1 - beta2) / (1 - beta1), m = (1 - beta1) Delta, v = (1 - beta2) Delta^2,
+    i.e. lr Delta / (|Delta| + tau / sqrt(1 - beta2)): nearly lr sign(Delta)."""
+    lr, b1, b2, tau = 0.5, 0.9, 0.999, 1e-3
+    s = ServerOptSettings(name=name, lr=lr, beta1=b1, beta2=b2, tau=tau, variant="authors_code")
+    delta = torch.tensor([2.0, -0.01, 0.0], dtype=torch.float64)
+    new = ServerOptimizer(s).step("w", torch.zeros(3, dtype=torch.float64), delta, slice(0, 3))
+    want = lr * delta / (delta.abs() + tau / math.sqrt(1 - b2))
+    np.testing.assert_allclose(new.numpy(), want.numpy(), rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.quick
+def test_variant_defaults_to_paper_and_only_the_adaptive_yamls_have_it():
+    from conftest import compose
+    from fedbench.trees import plain
+
+    assert ServerOptSettings().variant == "paper"
+    for name in ("adagrad", "adam", "yogi"):
+        node = plain(compose(["algo=fedavg", f"server_opt={name}"]))["server_opt"]
+        assert node["variant"] == "paper"
+        assert node.get("initial_accumulator", None) is None
+        assert ServerOptSettings.from_cfg(node).v0 == node["tau"] ** 2  # Algorithm 2's v_-1
+    assert "variant" not in plain(compose(["algo=fedavg", "server_opt=sgd"]))["server_opt"]
+    algo, _, _ = make_algo("fedavg", ["server_opt=yogi", "server_opt.variant=authors_code"])
+    assert algo.run.server_opt.variant == "authors_code" and algo.run.server_opt.v0 == 0.0
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "over",
+    [
+        ["server_opt=adam"],
+        ["server_opt=yogi", "server_opt.initial_accumulator=1.0"],
+        ["server_opt=adagrad", "server_opt.beta1=0"],
+    ],
+    ids=["adam", "yogi", "adagrad"],
+)
+def test_authors_code_state_is_checkpointed_and_a_resume_is_exact(over):
+    """Two rounds, the state through torch.save/torch.load, two more rounds: the same model
+    as four uninterrupted rounds, to the bit; the step count travels with m and v."""
+    over = ["server_opt.variant=authors_code", "server_opt.lr=0.05", *over]
+    full, _, _ = make_algo("fedavg", over)
+    clients = np.array([0, 1, 2])
+    for t in range(2):
+        full.round(t, clients)
+    buf = io.BytesIO()
+    torch.save(full.state_dict(), buf)  # a copy: the rounds below do not touch it
+    buf.seek(0)
+    state = torch.load(buf, weights_only=False)
+    saved = state["server_opt"]["w"]
+    if "server_opt=adagrad" in over:
+        assert set(saved) == {"v"}
+    else:
+        assert set(saved) == {"m", "v", "t"} and int(saved["t"]) == 2
+    resumed, _, _ = make_algo("fedavg", over)
+    resumed.load_state_dict(state)
+    for t in range(2, 4):
+        full.round(t, clients)
+        resumed.round(t, clients)
+    assert torch.equal(full.w, resumed.w)
+    assert int(resumed.server_opt.state["w"].get("t", torch.tensor(4))) == 4
+
+
+@pytest.mark.quick
+def test_a_run_saved_before_the_variant_resumes_as_paper():
+    """A config saved before `server_opt.variant` / `initial_accumulator` existed ran
+    Algorithm 2 as printed: no difference from variant paper, a difference from
+    authors_code."""
+    from conftest import compose
+    from fedbench.runner import resume_differences
+    from fedbench.trees import plain
+
+    for name in ("adagrad", "adam", "yogi"):
+        now = plain(compose(["algo=fedavg", f"server_opt={name}"]))
+        saved = {**now, "server_opt": dict(now["server_opt"])}
+        saved["server_opt"].pop("variant")
+        saved["server_opt"].pop("initial_accumulator", None)
+        assert resume_differences(saved, now) == []
+        code = {**now, "server_opt": {**now["server_opt"], "variant": "authors_code"}}
+        assert resume_differences(saved, code) == ["server_opt.variant (absent -> 'authors_code')"]
+
+
+@pytest.mark.quick
+def test_authors_code_refusals():
+    from fedbench.cli import refusal
+
+    msg = refusal(["algo=fedavg", "server_opt=adagrad", "server_opt.variant=authors_code"])
+    assert msg is not None and "server_opt.beta1=0.9" in msg and "no momentum" in msg
+    msg = refusal(["algo=fedavg", "server_opt=yogi", "server_opt.initial_accumulator=1e-8"])
+    assert msg is not None and "tau^2" in msg  # Algorithm 2: v_-1 >= tau^2
+    assert refusal(["algo=fedavg", "server_opt=yogi", "server_opt.initial_accumulator=-1"])
+    assert refusal(["algo=fedavg", "server_opt=adam", "server_opt.variant=code"])
+    assert refusal(["algo=fedavg", "server_opt=adam", "server_opt.variant=authors_code"]) is None
