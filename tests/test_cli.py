@@ -269,7 +269,7 @@ def test_paper_method_settings_come_with_the_preset():
     ):
         a = algo(f"+experiment={preset}", "algo=fedcac")
         assert (a["tau"], a["beta"]) == (tau, beta)
-    assert algo("+experiment=diversifed_table1_cifar100", "algo=pfedme")["eval_model"] == "local"
+    assert algo("+experiment=diversifed_table1_cifar100", "algo=pfedme")["eval_model"] == "theta"
     # PLGU: E epochs of local work for every method; the hypernetwork generates the classifier
     a = algo("+experiment=plgu_t1_tinyimagenet", "algo=pfedme")
     assert a["local_rounds"] is None

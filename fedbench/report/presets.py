@@ -334,12 +334,13 @@ DIVERSIFED_METHODS = (
     "Separate, Per-FedAvg, pFedMe, FedAMP, FedFomo, APPLE, FedRep, FedProto, FedRoD, FedCAC, "
     "DiversiFed"
 )
-# FedAvg's column is its global model; pFedMe as the code DiversiFed ran (PFLlib) evaluates
-# its local model and takes E epochs of mini-batches per visit, FedRoD as PFLlib scores it
+# FedAvg's column is its global model; pFedMe takes E epochs of mini-batches per visit (the
+# code DiversiFed ran, PFLlib) and is scored by its personalized model theta_i (the paper's
+# number is theta's, README), FedRoD as PFLlib scores it
 # (aggregated body and generic head, personal head); DiversiFed's tau is not stated for
 # Tables I-III (ours 1.0). The presets set these (conf/paper_algo/diversifed/<algo>.yaml).
 DIVERSIFED_ALGO_SETTINGS = {
-    "pfedme": {"algo.eval_model": "local", "algo.local_rounds": None},
+    "pfedme": {"algo.eval_model": "theta", "algo.local_rounds": None},
     "fedrod": {"algo.eval_model": "aggregated"},
     "diversifed": {"algo.tau": 1.0},
 }
