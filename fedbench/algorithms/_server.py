@@ -46,10 +46,10 @@ kernel of TF 2.x's optimizer_v2; only Keras >= 2.11's new Adagrad puts it inside
 correction sits in lr_t, so tau is not corrected with it (lr_t m / (sqrt(v) + tau) =
 lr m_hat / (sqrt(v_hat) + tau / sqrt(1 - beta2^t))). Here `initial_accumulator: null` is
 0: the authors' runs set `--server_adagrad_initial_accumulator_value=0` and
-`--server_yogi_initial_accumulator_value=0` (optimization/README.md, docs/hyperparameters.md:
+`--server_yogi_initial_accumulator_value=0` (optimization/README.md, their hyperparameters.md:
 "we used initial accumulator values of 0"); the code's own defaults are Keras's 0.1
 (Adagrad) and 1.0 (yogi.py), set them to get those. The authors ran beta1 0.9, beta2 0.999
-(Keras's defaults; docs/hyperparameters.md); our YAMLs keep the paper's values, set them.
+(Keras's defaults; their hyperparameters.md); our YAMLs keep the paper's values, set them.
 The step count t starts at 1, as Keras counts (t = iterations + 1) and as TFF's Keras
 adapter leaves a new optimizer's step at 0; the 2020 trainer
 (optimization/shared/fed_avg_schedule.py, `_initialize_optimizer_vars`) created the
