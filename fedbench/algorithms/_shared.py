@@ -17,7 +17,8 @@ underscore keeps it out of the registry scan).
 - `TrainSubset` / `make_engine` / `train_on` / `WithTrainer`: a second engine over a
   held-out split or another module (FedFomo's validation split, FedRoD's two-head model),
   with the run's engine settings, `Algorithm.local_train`'s defaults, and its optimizer
-  state in the algorithm's checkpoint.
+  state in the algorithm's checkpoint; `TrainerLayout` for algorithms that deploy rows of
+  that engine's module.
 """
 
 from __future__ import annotations
@@ -198,3 +199,18 @@ class WithTrainer:
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.trainer.load_state_dict(state["trainer"])
+
+
+class TrainerLayout(WithTrainer):
+    """Mixin for an algorithm whose deployed states are rows of its second engine's module
+    (FedRoD's two heads, FedCP's policy network, FedDBE's PRBM, GPFL's CoV): evaluation and
+    `personal_model` go through `self.trainer`; `trainer_module()` builds that module anew."""
+
+    def trainer_module(self) -> nn.Module:
+        raise NotImplementedError
+
+    def personal_correct(self, i: int, idx: torch.Tensor) -> torch.Tensor:
+        return self.trainer.correct(self.personal_state(i), idx)
+
+    def personal_model(self, i: int) -> nn.Module:
+        return self.trainer.to_module(self.personal_state(i), self.trainer_module())

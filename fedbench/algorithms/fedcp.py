@@ -78,7 +78,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedbench.algorithms._shared import WithTrainer, make_engine, train_on
+from fedbench.algorithms._shared import TrainerLayout, make_engine, train_on
 from fedbench.algorithms.apfl import base_columns
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import nonneg, positive
@@ -173,7 +173,7 @@ def fedcp_loss(
 
 
 @ALGORITHMS.register()
-class FedCP(WithTrainer, Algorithm):
+class FedCP(TrainerLayout, Algorithm):
     Params = FedCPParams
     attackable = True
     server_optimizable = True  # server_opt steps on the averages of W^fe, W^hd and Theta
@@ -294,12 +294,8 @@ class FedCP(WithTrainer, Algorithm):
     def personal_states(self) -> torch.Tensor:
         return self.states_of(np.arange(self.N))
 
-    def personal_correct(self, i: int, idx: torch.Tensor) -> torch.Tensor:
-        return self.trainer.correct(self.personal_state(i), idx)
-
-    def personal_model(self, i: int) -> nn.Module:
-        model = CPModel(self.model_fn(), self.hp.tau)
-        return self.trainer.to_module(self.personal_state(i), model)
+    def trainer_module(self) -> nn.Module:
+        return CPModel(self.model_fn(), self.hp.tau)
 
     def model_size(self) -> dict[str, float]:
         """A deployed model: W^fe, Theta, W^hd and W_i^hd (the frozen W^fe copy only serves

@@ -67,7 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedbench.algorithms._shared import WithTrainer, entry_index, make_engine, train_on
+from fedbench.algorithms._shared import TrainerLayout, entry_index, make_engine, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import hp, nonneg
 from fedbench.errors import ConfigError
@@ -134,7 +134,7 @@ def dbe_objective(
 
 
 @ALGORITHMS.register()
-class FedDBE(WithTrainer, Algorithm):
+class FedDBE(TrainerLayout, Algorithm):
     Params = FedDBEParams
     attackable = True
     server_optimizable = True
@@ -221,11 +221,8 @@ class FedDBE(WithTrainer, Algorithm):
     def personal_states(self) -> torch.Tensor:
         return self.rows(np.arange(self.N))
 
-    def personal_correct(self, i: int, idx: torch.Tensor) -> torch.Tensor:
-        return self.trainer.correct(self.personal_state(i), idx)
-
-    def personal_model(self, i: int) -> nn.Module:
-        return self.trainer.to_module(self.personal_state(i), DBEModel(self.model_fn()))
+    def trainer_module(self) -> nn.Module:
+        return DBEModel(self.model_fn())
 
     def global_state(self) -> torch.Tensor:
         return self.w

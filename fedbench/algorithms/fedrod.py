@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedbench.algorithms._shared import WithTrainer, make_engine, state_entries, train_on
+from fedbench.algorithms._shared import TrainerLayout, make_engine, state_entries, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.errors import ConfigError
 
@@ -72,7 +72,7 @@ def rod_loss(model: TwoHeadModel, x, y, c, log_prior: torch.Tensor) -> torch.Ten
 
 
 @ALGORITHMS.register()
-class FedRoD(WithTrainer, Algorithm):
+class FedRoD(TrainerLayout, Algorithm):
     Params = FedRoDParams
     attackable = True
     has_global = True
@@ -121,9 +121,6 @@ class FedRoD(WithTrainer, Algorithm):
             return self.theta[i]
         return torch.where(self.shared, self.w, self.theta[i])
 
-    def personal_correct(self, i: int, idx: torch.Tensor) -> torch.Tensor:
-        return self.trainer.correct(self.personal_state(i), idx)
-
     def global_state(self) -> torch.Tensor:
         """Body + generic head in the run model's layout (the personal head dropped)."""
         return self.w[self.shared]
@@ -131,5 +128,5 @@ class FedRoD(WithTrainer, Algorithm):
     def global_correct(self, idx: torch.Tensor) -> torch.Tensor:
         return self.trainer.correct(torch.where(self.shared, self.w, 0.0), idx)
 
-    def personal_model(self, i: int) -> nn.Module:
-        return self.trainer.to_module(self.personal_state(i), TwoHeadModel(self.model_fn()))
+    def trainer_module(self) -> nn.Module:
+        return TwoHeadModel(self.model_fn())

@@ -78,7 +78,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedbench.algorithms._shared import WithTrainer, entry_index, make_engine, train_on
+from fedbench.algorithms._shared import TrainerLayout, entry_index, make_engine, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import nonneg
 from fedbench.errors import ConfigError
@@ -160,7 +160,7 @@ def gpfl_objective(
 
 
 @ALGORITHMS.register()
-class GPFL(WithTrainer, Algorithm):
+class GPFL(TrainerLayout, Algorithm):
     Params = GPFLParams
     attackable = True
     server_optimizable = True
@@ -277,12 +277,8 @@ class GPFL(WithTrainer, Algorithm):
     def personal_states(self) -> torch.Tensor:
         return self.rows(np.arange(self.N))
 
-    def personal_correct(self, i: int, idx: torch.Tensor) -> torch.Tensor:
-        return self.trainer.correct(self.personal_state(i), idx)
-
-    def personal_model(self, i: int) -> nn.Module:
-        module = GPFLModel(self.model_fn(), self.fed.num_classes)
-        return self.trainer.to_module(self.personal_state(i), module)
+    def trainer_module(self) -> nn.Module:
+        return GPFLModel(self.model_fn(), self.fed.num_classes)
 
     def model_size(self) -> dict[str, float]:
         """The deployed model: phi, CoV and h_i (W only trains and guides)."""
