@@ -246,18 +246,26 @@ def test_a2_scales_every_upload():
     torch.testing.assert_close(algo.w[params], (wts[:, None] * sent[:, params]).sum(0))
 
 
-@pytest.mark.quick
-def test_batchnorm_statistics_are_averaged_and_copied_to_the_frozen_extractor():
-    fed = TinyFed()
+def bn_mlp():
+    """6 -> Linear 8 -> BatchNorm -> ReLU -> head 3."""
+    return FedModel(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU()), 8, 3)
+
+
+def bn_fedcp():
+    """FedCP on TinyFed with bn_mlp, batch 8: (algorithm, federation)."""
     from fedbench.algorithms import ALGORITHMS
     from fedbench.engine import Engine
 
-    def bn_mlp():
-        return FedModel(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU()), 8, 3)
-
+    fed = TinyFed()
     torch.manual_seed(0)
     eng = Engine(fed, bn_mlp(), device="cpu")
-    algo = ALGORITHMS.get("fedcp")(compose(["algo=fedcp", "batch_size=8"]), fed, eng, bn_mlp)
+    cfg = compose(["algo=fedcp", "batch_size=8"])
+    return ALGORITHMS.get("fedcp")(cfg, fed, eng, bn_mlp), fed
+
+
+@pytest.mark.quick
+def test_batchnorm_statistics_are_averaged_and_copied_to_the_frozen_extractor():
+    algo, fed = bn_fedcp()
     spec = algo.trainer.spec
     clients = np.array([0, 1])
     start = algo.states_of(clients)
@@ -282,16 +290,7 @@ def test_frozen_extractor_uses_batch_statistics_in_the_mmd_term():
     under model.train(): at a round's start (W^fe = W_i^fe) on a BatchNorm model both
     extractors give the same features, so the MMD term is 0 and the objective is the CE
     alone (with W^fe in eval mode its running statistics would make it differ)."""
-    fed = TinyFed()
-    from fedbench.algorithms import ALGORITHMS
-    from fedbench.engine import Engine
-
-    def bn_mlp():
-        return FedModel(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU()), 8, 3)
-
-    torch.manual_seed(0)
-    eng = Engine(fed, bn_mlp(), device="cpu")
-    algo = ALGORITHMS.get("fedcp")(compose(["algo=fedcp", "batch_size=8"]), fed, eng, bn_mlp)
+    algo, fed = bn_fedcp()
     algo.round(0, np.array([0, 1]))  # running statistics away from their (0, 1) start
     start = algo.states_of([2])[0]
     model = algo.trainer.to_module(start, CPModel(bn_mlp(), 1.0)).train()
