@@ -10,6 +10,12 @@ import torch
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist runs one worker per core: torch's own threads (and those of the fedbench
+    # processes a test starts, which inherit the environment) would oversubscribe them
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 
 class TinyFed:
     """The slice of `Federation` the engine uses, over random data (no files)."""

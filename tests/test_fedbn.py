@@ -129,6 +129,7 @@ def test_learns_on_fmnist_with_a_batchnorm_cnn(tmp_path):
 
 @pytest.mark.slow
 def test_resume_is_exact(tmp_path, monkeypatch):
-    over = ["algo=fedbn", "clients=6", "eval.every=1", "checkpoint.every=1", "participation=0.5"]
+    over = ["algo=fedbn", "clients=6", "batch_size=30", "eval.every=1", "checkpoint.every=1",
+            "participation=0.5"]  # fmt: skip
     full, resumed = crash_and_resume(tmp_path, monkeypatch, over, 3, die_at=2, base=IID_BN)
     assert (full["final"], full["best"]) == (resumed["final"], resumed["best"])

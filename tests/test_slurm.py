@@ -61,6 +61,7 @@ TIMEOUT = 300
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.xdist_group("slurm"),  # one cluster of one 2-CPU node: its jobs one test at a time
     pytest.mark.skipif(not fmnist_available(), reason="FMNIST not installed"),
 ]
 
