@@ -1,5 +1,7 @@
 """fedbench: a benchmark for personalized federated learning."""
 
+import hashlib
+
 from omegaconf import OmegaConf
 
 __version__ = "0.1.0"
@@ -24,5 +26,34 @@ def _choice(group: str, *, _root_) -> str:
     return str(chosen)
 
 
+CELL_NAME_BYTES = 200  # a file name may have 255 bytes: room for Hydra's and our suffixes
+
+
+def cell_name(overrides: str) -> str:
+    """A table cell's directory name: its overrides themselves (`algo=fedavg,seed=0`) when
+    they fit in a file name, else their first bytes and a digest of the whole (a sweep with
+    many overrides would otherwise stop on "File name too long"). A function of the
+    overrides alone: a later sweep finds the same cell."""
+    raw = overrides.encode()
+    if len(raw) <= CELL_NAME_BYTES:
+        return overrides
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    head = raw[: CELL_NAME_BYTES - len(digest) - 1].decode(errors="ignore")
+    return f"{head}~{digest}"
+
+
+def _cell(*, _root_) -> str:
+    """`hydra.sweep.subdir=${fedbench.cell:}`: the job's cell_name of its
+    hydra.job.override_dirname (the table scripts' cell directories)."""
+    name = OmegaConf.select(_root_, "hydra.job.override_dirname", default=None)
+    if name is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        name = HydraConfig.get().job.override_dirname
+    return cell_name(str(name))
+
+
 if not OmegaConf.has_resolver("fedbench.choice"):
     OmegaConf.register_new_resolver("fedbench.choice", _choice)
+if not OmegaConf.has_resolver("fedbench.cell"):
+    OmegaConf.register_new_resolver("fedbench.cell", _cell)

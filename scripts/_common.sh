@@ -35,8 +35,9 @@ run() {
 
 # sweep ARG...: plan `fedbench -m ARG... resume=auto` (the arguments include hydra.sweep.dir).
 # A cell's directory is named by its overrides alone (not Hydra's job number, which moves
-# when SEEDS or a column list changes), so the same cell is found by any later sweep.
-CELL_SUBDIR='hydra.sweep.subdir=${hydra.job.override_dirname}'
+# when SEEDS or a column list changes), so the same cell is found by any later sweep; a name
+# too long for a file name is cut and ends in a digest of the whole (fedbench.cell_name).
+CELL_SUBDIR='hydra.sweep.subdir=${fedbench.cell:}'
 sweep() {
   SWEEPS+=("$(_words "$@" "$CELL_SUBDIR" resume=auto)")
 }

@@ -187,7 +187,7 @@ SWEEP_KEYS = {"split.alpha", "participation", "local_epochs", "algo.rho", "algo.
 
 # What a table script adds to every sweep beside its cells' overrides: where (a fixed
 # directory per cell) and resume=auto (a finished cell is skipped, an interrupted one resumes).
-CELL_SUBDIR = "'hydra.sweep.subdir=${hydra.job.override_dirname}'"
+CELL_SUBDIR = "'hydra.sweep.subdir=${fedbench.cell:}'"
 PLACEMENT = ("hydra.sweep.dir=", CELL_SUBDIR, "resume=auto")
 
 

@@ -177,7 +177,7 @@ def test_dry_run_prints_one_command_per_sweep_and_runs_nothing(tmp_path):
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("+ fedbench -m")]
     assert len(lines) == 2 and not (tmp_path / "t").exists()
     assert all("split.alpha=0.1 " in ln and ln.endswith(" resume=auto") for ln in lines)
-    assert "'hydra.sweep.subdir=${hydra.job.override_dirname}'" in lines[0]
+    assert "'hydra.sweep.subdir=${fedbench.cell:}'" in lines[0]
 
 
 # --------------------------------------------------------------------------- fedbench-status
@@ -192,7 +192,7 @@ SWEEP = [
     "rounds=3",
     "eval.every=1",
     "seed=0,1,2",
-    "hydra.sweep.subdir=${hydra.job.override_dirname}",
+    "hydra.sweep.subdir=${fedbench.cell:}",
 ]
 
 
@@ -270,3 +270,43 @@ def test_estimate_uses_each_methods_pace():
     assert line.startswith("T: 4 cells: 1 done, 0 running, 3 left (1 resume from a checkpoint)")
     assert "about 1 min left, 2 jobs at a time"  # 162 s / 2 in line
     assert estimate([Cell(Path("x"), "a", 5, "left")])[0] is None
+
+
+@pytest.mark.quick
+def test_cell_names_fit_a_file_name_and_stay_distinct():
+    from fedbench import CELL_NAME_BYTES, cell_name
+
+    short = "algo=fedavg,seed=0"
+    assert cell_name(short) == short
+    a = ",".join(f"key{i}=é{i}" for i in range(60))  # multi-byte characters near the cut
+    b = a[:-1] + "X"
+    assert len(a.encode()) > 255
+    for name in (cell_name(a), cell_name(b)):
+        assert len(name.encode()) <= CELL_NAME_BYTES
+        assert name.startswith(a[:100])
+    assert cell_name(a) != cell_name(b) and cell_name(a) == cell_name(a)
+
+
+@pytest.mark.slow
+@needs_fmnist
+def test_a_cell_whose_overrides_are_too_long_for_a_file_name_runs_and_is_found_again(
+    tmp_path,
+):
+    """Every key of the sweep in the cell's name would be over 255 bytes ("File name too
+    long" from the OS); the cell gets a shortened name, and the same sweep again finds it
+    finished."""
+    sweep = tmp_path / "sweep"
+    many = ["optim.momentum=0.0", "optim.weight_decay=0.0", "optim.lr_decay=1.0",
+            "eval.s_frac=0.5", "participation=1.0", "local_epochs=1", "batch_size=20",
+            "split.classes_per_client=2", "split.balance=true"]  # fmt: skip
+    args = [*(a for a in SWEEP if not a.startswith(("seed=", "rounds="))), "seed=0",
+            "rounds=1", *many, f"hydra.sweep.dir={sweep}", "resume=auto"]  # fmt: skip
+    cmd = [sys.executable, "-c", "from fedbench.cli import main; main()", "-m", *args]
+    for _ in range(2):
+        r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=tmp_path,
+                           timeout=300)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        (cell,) = [p for p in sweep.iterdir() if p.is_dir()]
+        assert "~" in cell.name and len(cell.name.encode()) <= 200
+        assert (cell / "summary.json").exists()
+    assert "already finished (round 1): skipped" in r.stdout
