@@ -91,10 +91,19 @@ SMALL_FMNIST_BN_CNN = [
 ]
 
 
-def make_algo(algo: str, extra=(), fed=None, lr: float | None = 0.1):
+def bn_mlp():
+    """TinyFed's shapes with BatchNorm: 6 -> Linear 8 -> BatchNorm1d -> ReLU -> head 3."""
+    from torch import nn
+
+    from fedbench.models.base import FedModel
+
+    return FedModel(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU()), 8, 3)
+
+
+def make_algo(algo: str, extra=(), fed=None, lr: float | None = 0.1, backend: str = "auto"):
     """Algorithm `algo` on TinyFed (3 clients with 37, 20, 50 samples, 6 features, 3
-    classes), an MLP 6-8-3, batch 8, 1 epoch, optimizer lr `lr` (None: the config's).
-    Returns (algorithm, engine, federation)."""
+    classes), an MLP 6-8-3, batch 8, 1 epoch, optimizer lr `lr` (None: the config's), the
+    engine's `backend`. Returns (algorithm, engine, federation)."""
     from fedbench.algorithms import ALGORITHMS
     from fedbench.engine import Engine
     from fedbench.models import build_model
@@ -104,7 +113,7 @@ def make_algo(algo: str, extra=(), fed=None, lr: float | None = 0.1):
     cfg = compose([f"algo={algo}", "batch_size=8", *lr_override, *extra])
     torch.manual_seed(0)
     model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8])  # noqa: E731
-    eng = Engine(fed, model_fn(), device="cpu")
+    eng = Engine(fed, model_fn(), device="cpu", backend=backend)
     return ALGORITHMS.get(algo)(cfg, fed, eng, model_fn), eng, fed
 
 

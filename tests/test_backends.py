@@ -18,21 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TinyFed, compose
+from conftest import make_algo
 from fedbench.algorithms import ALGORITHMS
 from fedbench.engine import Engine
-from fedbench.models import build_model
 
 
-def run_two_rounds(name: str, backend: str):
+def run_two_rounds(name: str, backend: str, monkeypatch):
     """(algorithm state after two rounds, each client's hits on its test data by the
     personalized and the global model, the backends the engine chose)."""
-    fed = TinyFed()
-    cfg = compose([f"algo={name}", "batch_size=8", "optim.lr=0.1", f"engine.backend={backend}"])
-    torch.manual_seed(0)
-    model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8])  # noqa: E731
-    eng = Engine(fed, model_fn(), device="cpu", seed=1, backend=backend)
-    algo = ALGORITHMS.get(name)(cfg, fed, eng, model_fn)
+    algo, _, fed = make_algo(name, [f"engine.backend={backend}"], backend=backend)
     chosen: list[str] = []
     choose = Engine.backend_for
 
@@ -40,8 +34,8 @@ def run_two_rounds(name: str, backend: str):
         chosen.append(choose(self, n_clients, objective))
         return chosen[-1]
 
-    Engine.backend_for = spy
-    try:
+    with monkeypatch.context() as m:
+        m.setattr(Engine, "backend_for", spy)
         for t in range(2):
             algo.round(t, np.arange(fed.num_clients))
         with torch.no_grad():
@@ -52,8 +46,6 @@ def run_two_rounds(name: str, backend: str):
                     hits.append(algo.personal_correct(i, idx))
                 if algo.has_global:
                     hits.append(algo.global_correct(idx))
-    finally:
-        Engine.backend_for = choose
     return algo.state_dict(), hits, chosen
 
 
@@ -82,14 +74,14 @@ def assert_close_tree(a, b, path: str = "state") -> None:
 
 @pytest.mark.quick
 @pytest.mark.parametrize("name", ALGORITHMS.names())
-def test_both_backends_give_the_same_run(name, caplog):
+def test_both_backends_give_the_same_run(name, caplog, monkeypatch):
     caplog.set_level(logging.WARNING)
-    vm_state, vm_hits, vm_chosen = run_two_rounds(name, "vmap")
+    vm_state, vm_hits, vm_chosen = run_two_rounds(name, "vmap", monkeypatch)
     if "vmap" not in vm_chosen:
         # every train call fell back to sequential (or the algorithm trains without the
         # engine): a sequential run would take the same path
         return
-    seq_state, seq_hits, seq_chosen = run_two_rounds(name, "sequential")
+    seq_state, seq_hits, seq_chosen = run_two_rounds(name, "sequential", monkeypatch)
     assert set(seq_chosen) == {"sequential"}
     assert len(vm_chosen) == len(seq_chosen)  # the same train calls
     assert_close_tree(seq_state, vm_state)

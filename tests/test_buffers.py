@@ -18,19 +18,12 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
-from conftest import SMALL_FMNIST, TinyFed, compose, fmnist_available
+from conftest import SMALL_FMNIST, TinyFed, bn_mlp, compose, fmnist_available
 from fedbench.algorithms import ALGORITHMS
 from fedbench.algorithms.diversifed import mixing_matrix
 from fedbench.algorithms.fedamp import attention_weights
 from fedbench.engine import Engine
-from fedbench.models.base import FedModel
-
-
-def bn_mlp() -> FedModel:
-    """6 -> Linear 8 -> BatchNorm1d -> ReLU -> head 3 (TinyFed's shapes)."""
-    return FedModel(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU()), 8, 3)
 
 
 def bn_algo(name: str, extra=()):

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from conftest import TinyFed, compose, crash_and_resume, make_algo, run_small
+from conftest import TinyFed, bn_mlp, compose, crash_and_resume, make_algo, run_small
 from fedbench.algorithms.fedala import aggregate, ala_step, start_phase_done
 from fedbench.errors import ConfigError
 
@@ -183,10 +182,6 @@ def test_ala_keeps_the_clients_own_running_statistics():
     statistics (training mode), with and without the head-only shortcut."""
     from fedbench.algorithms import ALGORITHMS
     from fedbench.engine import Engine
-    from fedbench.models.base import FedModel
-
-    def bn_mlp():
-        return FedModel(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU()), 8, 3)
 
     fed = TinyFed()
     torch.manual_seed(0)

@@ -13,13 +13,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.func import functional_call
 
-from conftest import TinyFed, compose, crash_and_resume, make_algo, run_small
+from conftest import TinyFed, bn_mlp, compose, crash_and_resume, make_algo, run_small
 from fedbench.algorithms._shared import train_on
 from fedbench.algorithms.fedcp import RBF_BANDWIDTHS, CPModel, fedcp_loss, mmd2
-from fedbench.models.base import FedModel
 
 
 def views(spec, state: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -244,11 +242,6 @@ def test_a2_scales_every_upload():
         sent[:, params],
     )  # fmt: skip
     torch.testing.assert_close(algo.w[params], (wts[:, None] * sent[:, params]).sum(0))
-
-
-def bn_mlp():
-    """6 -> Linear 8 -> BatchNorm -> ReLU -> head 3."""
-    return FedModel(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU()), 8, 3)
 
 
 def bn_fedcp():

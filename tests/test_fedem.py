@@ -11,13 +11,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from conftest import TinyFed, compose, crash_and_resume, make_algo, run_small
+from conftest import TinyFed, bn_mlp, compose, crash_and_resume, make_algo, run_small
 from fedbench.algorithms import ALGORITHMS
 from fedbench.algorithms.fedem import e_step
 from fedbench.engine import Engine
-from fedbench.models.base import FedModel
 
 
 @pytest.mark.quick
@@ -138,11 +136,6 @@ def test_resume_is_exact(tmp_path, monkeypatch):
     over = ["algo=fedem", "eval.every=2", "checkpoint.every=2", "participation=0.5"]
     full, resumed = crash_and_resume(tmp_path, monkeypatch, over, 4, die_at=3)
     assert (full["final"], full["best"]) == (resumed["final"], resumed["best"])
-
-
-def bn_mlp() -> FedModel:
-    """6 -> Linear 8 -> BatchNorm1d -> ReLU -> head 3 (TinyFed's shapes)."""
-    return FedModel(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU()), 8, 3)
 
 
 @pytest.mark.quick

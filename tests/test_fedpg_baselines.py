@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_algo, run_small
+from conftest import bn_mlp, make_algo, run_small
 from fedbench.algorithms._qp import gram, min_norm_weights
 from fedbench.algorithms.apfl import APFLModel, apfl_loss
 from fedbench.algorithms.fedmgda import box_weights
@@ -120,15 +120,10 @@ def test_apfl_fixed_alpha_stays_and_adaptive_alpha_moves():
 
 @pytest.mark.slow
 def test_apfl_personal_model_has_v_s_own_batchnorm_statistics():
-    from torch import nn
 
     from conftest import TinyFed, compose
     from fedbench.algorithms.apfl import APFL
     from fedbench.engine import Engine
-    from fedbench.models.base import FedModel
-
-    def bn_mlp():
-        return FedModel(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU()), 8, 3)
 
     fed = TinyFed()
     cfg = compose(["algo=apfl", "batch_size=8", "optim.lr=0.1", "algo.alpha=0.5"])

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from conftest import TinyFed, compose, crash_and_resume, make_algo, run_small
+from conftest import TinyFed, bn_mlp, compose, crash_and_resume, make_algo, run_small
 from fedbench.algorithms.moon import ModelContrastive, contrastive_loss
 
 
@@ -145,10 +144,6 @@ def test_reference_models_read_their_batchnorm_statistics_and_keep_them():
     own running statistics), and the training step leaves the rows it read unchanged."""
     from fedbench.algorithms import ALGORITHMS
     from fedbench.engine import Engine
-    from fedbench.models.base import FedModel
-
-    def bn_mlp():
-        return FedModel(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU()), 8, 3)
 
     fed = TinyFed()
     torch.manual_seed(0)

@@ -7,9 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
-from conftest import TinyFed, compose, crash_and_resume, make_algo, run_small
+from conftest import TinyFed, bn_mlp, compose, crash_and_resume, make_algo, run_small
 from fedbench.errors import ConfigError
 
 
@@ -201,10 +200,6 @@ def test_running_statistics_are_the_clients_own():
     stores them with theta~_i."""
     from fedbench.algorithms import ALGORITHMS
     from fedbench.engine import Engine
-    from fedbench.models.base import FedModel
-
-    def bn_mlp():
-        return FedModel(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU()), 8, 3)
 
     fed = TinyFed()
     torch.manual_seed(0)
