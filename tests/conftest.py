@@ -65,6 +65,11 @@ def compose(overrides: list[str]):
     return task_config(cfg)
 
 
+# For tests of the command line, not of the engine: a process's first vmap call imports
+# torch._dynamo (about 2 s of each fedbench process's 3-5 s start); the two backends are
+# compared in test_backends.py, and test_cli / test_resume run the default one end to end.
+CLI_BACKEND = "engine.backend=sequential"
+
 # A small real-FMNIST federation for "learns" tests: 20 clients, pat-2, 150 train / 100 test
 # samples each, a 784-64-10 MLP; a few rounds take seconds on 2 CPU cores.
 SMALL_FMNIST = [

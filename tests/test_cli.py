@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import compose, fmnist_available
+from conftest import CLI_BACKEND, compose, fmnist_available
 
 REPO = Path(__file__).resolve().parents[1]
 # This checkout's fedbench, whatever the environment's editable install points at.
@@ -380,7 +380,7 @@ def test_paper_cell_runs_on_cifar_format_files(tmp_path, preset, algo):
     cfg = compose(
         [f"+experiment={preset}", f"algo={algo}", f"data.root={tmp_path / 'data'}"]
         + ["data.download=false", "clients=4", "participation=2", "rounds=1", "device=cpu"]
-        + ["split.test_per_client=10"]
+        + ["split.test_per_client=10", "local_epochs=1", "batch_size=50"]
     )
     s = Run(cfg, tmp_path / "run", progress=False).run()
     assert s["data"] == "cifar10" and s["final"]["round"] == 1
@@ -436,12 +436,13 @@ def test_joblib_launcher_runs_the_sweep_in_parallel_processes(tmp_path):
         pytest.skip("pip install 'fedbench[joblib]'")
     sweep = tmp_path / "sweep"
     r = fedbench("-m", "hydra/launcher=joblib_local", "hydra.launcher.n_jobs=2",
-                 "algo=fedavg,local", *SMALL, f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # fmt: skip
+                 "algo=fedavg,local", *SMALL, CLI_BACKEND, f"hydra.sweep.dir={sweep}",
+                 cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr
     algos = sorted(json.loads(p.read_text())["algo"] for p in sweep.glob("*/summary.json"))
     assert algos == ["fedavg", "local"]
     assert not list(sweep.glob("*/.fedbench.lock"))  # each worker released its directory
     r = fedbench("-m", "hydra/launcher=joblib_local", "split.classes_per_client=2,12", *SMALL,
-                 f"hydra.sweep.dir={tmp_path / 'bad'}", cwd=tmp_path)  # fmt: skip
+                 CLI_BACKEND, f"hydra.sweep.dir={tmp_path / 'bad'}", cwd=tmp_path)  # fmt: skip
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert len([ln for ln in r.stderr.splitlines() if ln.startswith("fedbench: job ")]) == 1

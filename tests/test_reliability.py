@@ -19,12 +19,13 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import SMALL_FMNIST, compose, fmnist_available
+from conftest import CLI_BACKEND, SMALL_FMNIST, compose, fmnist_available
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 CLI = [sys.executable, "-c", "from fedbench.cli import main; main()"]
-TINY = [*SMALL_FMNIST, "clients=6", "split.train_per_client=60", "split.test_per_client=20"]
+TINY = [*SMALL_FMNIST, "clients=6", "split.train_per_client=60", "split.test_per_client=20",
+        CLI_BACKEND]  # fmt: skip
 
 # The finished run's command (the `finished` fixture) and the resumes of its copies.
 FINISHED = [*TINY, "rounds=2", "eval.every=1", "checkpoint.every=1"]
@@ -236,10 +237,9 @@ def test_a_second_run_into_a_directory_in_use_is_refused_naming_the_holder(tmp_p
         while not (run / "partition.json").exists() and time.time() < deadline:
             time.sleep(0.05)
         assert (run / ".fedbench.lock").exists()
-        for extra in ([], ["resume=true"]):
-            second = fedbench(*args, *extra, cwd=tmp_path)
-            line = one_line(second)
-            assert f"pid {first.pid}" in line or "holds another run" in line, line
+        second = fedbench(*args, cwd=tmp_path)
+        line = one_line(second)
+        assert f"pid {first.pid}" in line or "holds another run" in line, line
         second = fedbench(*args, "resume=true", cwd=tmp_path)
         assert f"in use by pid {first.pid}" in one_line(second)
     finally:
@@ -386,13 +386,24 @@ def test_few_test_samples_are_warned_about(caplog):
 
 
 # ----------------------------------------------------------------------------- signals
+SIGNALLED = [*TINY, "rounds=300", "eval.every=100", "checkpoint.every=0"]
+
+
+@pytest.fixture(scope="session")  # with the tests' xdist_group: made once
+def uninterrupted(tmp_path_factory) -> dict:
+    """The signal tests' run, uninterrupted: its summary."""
+    d = tmp_path_factory.mktemp("uninterrupted")
+    ref = fedbench(*SIGNALLED, f"hydra.run.dir={d / 'run'}", cwd=d)
+    assert ref.returncode == 0, ref.stderr
+    return json.loads((d / "run" / "summary.json").read_text())
+
+
 @pytest.mark.slow
 @needs_fmnist
+@pytest.mark.xdist_group("signals")  # one worker: the uninterrupted run is made once
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_saves_a_checkpoint_and_resume_equals_uninterrupted(tmp_path, sig):
-    args = [*TINY, "rounds=300", "eval.every=100", "checkpoint.every=0"]
-    ref = fedbench(*args, f"hydra.run.dir={tmp_path / 'ref'}", cwd=tmp_path)
-    assert ref.returncode == 0, ref.stderr
+def test_signal_saves_a_checkpoint_and_resume_equals_uninterrupted(tmp_path, sig, uninterrupted):
+    args = SIGNALLED
     run = tmp_path / "run"
     proc = subprocess.Popen([*CLI, *args, f"hydra.run.dir={run}"], cwd=tmp_path, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -409,8 +420,7 @@ def test_signal_saves_a_checkpoint_and_resume_equals_uninterrupted(tmp_path, sig
     assert (run / "checkpoint.pt").exists() and not (run / "summary.json").exists()
     again = fedbench(*args, "resume=true", f"hydra.run.dir={run}", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
-    a = json.loads((tmp_path / "ref" / "summary.json").read_text())
-    b = json.loads((run / "summary.json").read_text())
+    a, b = uninterrupted, json.loads((run / "summary.json").read_text())
     assert (a["final"], a["best"]) == (b["final"], b["best"])
 
 

@@ -25,7 +25,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import fmnist_available
+from conftest import CLI_BACKEND, fmnist_available
 from fedbench.report import presets
 from fedbench.report.cli import main
 from fedbench.report.collect import find_runs, selected
@@ -708,7 +708,7 @@ def test_sweep_then_report(tmp_path):
     args = ["-m", "algo=fedavg,local", "seed=0,1", "rounds=2", "clients=10",
             "participation=1.0", "eval.every=1", "split.train_per_client=100",
             "split.test_per_client=50", "model.hidden=[32]", "device=cpu",
-            f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
+            CLI_BACKEND, f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
     # this checkout's fedbench, whatever the environment's editable install points at
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     r = subprocess.run([*fedbench, *args], cwd=tmp_path, capture_output=True, text=True,

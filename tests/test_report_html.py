@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import fmnist_available
+from conftest import CLI_BACKEND, fmnist_available
 from fedbench.report import cli
 from fedbench.report.collect import find_runs
 from fedbench.report.html import page, run_state
@@ -54,6 +54,7 @@ SWEEP = [
     "model.hidden=[16]",
     "device=cpu",
     "eval.every=1",
+    CLI_BACKEND,
 ]
 FAILING = ["-m", "algo=fedavg", "seed=0", "split.classes_per_client=12", *SWEEP[3:]]
 

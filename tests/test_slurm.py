@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import fmnist_available
+from conftest import CLI_BACKEND, fmnist_available
 
 REPO = Path(__file__).resolve().parents[1]
 # This checkout's fedbench, whatever the environment's editable install points at. sbatch
@@ -55,6 +55,7 @@ SMALL = [
     "split.train_per_client=60",
     "model.hidden=[16]",
     "device=cpu",
+    CLI_BACKEND,
 ]
 # Generous: a busy machine makes each job start (torch, FMNIST) take many seconds.
 TIMEOUT = 300
@@ -185,7 +186,7 @@ def test_sigterm_checkpoints_and_a_resume_ends_as_uninterrupted(slurm, sweeps, t
     requeue it); the submitting command lists the job as stopped, one line, and exits 1.
     The same sweep command with resume=true continues the job in its directory, through
     SLURM, to the result of a run never stopped."""
-    run = [*SMALL, "algo=fedavg", "rounds=40", "eval.every=20", "checkpoint.every=0"]
+    run = [*SMALL, "algo=fedavg", "rounds=200", "eval.every=100", "checkpoint.every=0"]
     sweep = tmp_path / "sweep"
     sweeps.append(sweep)
     sweep_cmd = [*CLI, "-m", *LAUNCHER, *run, f"hydra.sweep.dir={sweep}"]
@@ -203,7 +204,7 @@ def test_sigterm_checkpoints_and_a_resume_ends_as_uninterrupted(slurm, sweeps, t
         sub = start(sweep_cmd)
 
         def in_the_rounds() -> Path | None:
-            # the first round's engine line (should its text change: the round-20
+            # the first round's engine line (should its text change: the round-100
             # evaluation's metrics.csv): fedbench's SIGTERM handler is in place. Before it,
             # submitit's handler ignores SIGTERM ("Bypassing signal SIGTERM"): the run goes on.
             for log in sweep.glob("0_*/run.log"):
@@ -217,7 +218,7 @@ def test_sigterm_checkpoints_and_a_resume_ends_as_uninterrupted(slurm, sweeps, t
         assert signal.returncode == 0, signal.stderr
         wait_for(lambda: not _run(["squeue", "-h", "-j", job]).stdout.strip(), "the job's end")
         if (job_dir / "summary.json").exists():
-            pytest.skip("the job finished its 40 rounds before SIGTERM arrived")
+            pytest.skip("the job finished its 200 rounds before SIGTERM arrived")
         # fedbench's handler ran: the round finished, checkpoint.pt was saved
         log = job_log(sweep, job)
         assert re.search(r"fedbench: SIGTERM: stopped after round \d+, checkpoint saved", log), log
@@ -250,7 +251,7 @@ def test_sigterm_checkpoints_and_a_resume_ends_as_uninterrupted(slurm, sweeps, t
     a = json.loads((ref_dir / "summary.json").read_text())
     b = json.loads((job_dir / "summary.json").read_text())
     assert (b["final"], b["best"]) == (a["final"], a["best"])
-    assert b["rounds"] == 40
+    assert b["rounds"] == 200
 
 
 def test_table_script_through_slurm_resumes_a_stopped_cell(slurm, sweeps, tmp_path):
@@ -258,8 +259,10 @@ def test_table_script_through_slurm_resumes_a_stopped_cell(slurm, sweeps, tmp_pa
     launcher: one job stopped by `scancel --signal=TERM` mid-run makes the script exit 1 with
     its line; the script run again resumes that cell from its checkpoint (the status line
     says so) and skips the finished one; the table equals the uninterrupted runs'."""
-    tiny = ("clients=6 split.train_per_client=60 split.test_per_client=40 local_epochs=1 "
-            "model.hidden=[16] eval.every=10 checkpoint.every=5 device=cpu")  # fmt: skip
+    tiny = (
+        "clients=6 split.train_per_client=60 split.test_per_client=40 local_epochs=1 "
+        f"model.hidden=[16] eval.every=10 checkpoint.every=5 device=cpu {CLI_BACKEND}"
+    )
     env = {
         **ENV,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import fmnist_available
+from conftest import CLI_BACKEND, fmnist_available
 
 REPO = Path(__file__).resolve().parents[1]
 # This checkout's fedbench and the environment's console scripts (fedbench, fedbench-status).
@@ -31,7 +31,7 @@ TINY = {
     "SEEDS": "0,1,2",
     "ROUNDS": "6",
     "EXTRA": "clients=8 split.train_per_client=60 split.test_per_client=40 local_epochs=1 "
-    "model.hidden=[16] checkpoint.every=1 device=cpu",
+    f"model.hidden=[16] checkpoint.every=1 device=cpu {CLI_BACKEND}",
 }
 
 
@@ -66,7 +66,7 @@ def report_table(stdout: str) -> str:
     return table
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # with the tests' xdist_group: made once
 def reference(tmp_path_factory) -> str:
     """The tiny table run once without interruption: its script's output."""
     out, _ = finish(table(tmp_path_factory.mktemp("ref")))
@@ -101,6 +101,7 @@ def status(*args: str, cwd: Path = REPO) -> str:
 
 @pytest.mark.slow
 @needs_fmnist
+@pytest.mark.xdist_group("table")  # one worker: the reference table is run once
 def test_a_table_killed_twice_finishes_equal_to_an_uninterrupted_one(tmp_path, reference):
     """kill -9 of the whole table (script, sweep, run) twice, mid-run, then the script again
     until it completes: every cell finishes once, and the table equals an uninterrupted
@@ -143,6 +144,7 @@ def _metrics(cell: Path) -> list[str]:
 
 @pytest.mark.slow
 @needs_fmnist
+@pytest.mark.xdist_group("table")  # one worker: the reference table is run once
 def test_table_under_the_joblib_launcher_resumes_the_same_way(tmp_path, reference):
     from fedbench.cli import plugin_installed
 
@@ -193,6 +195,7 @@ SWEEP = [
     "eval.every=1",
     "seed=0,1,2",
     "hydra.sweep.subdir=${fedbench.cell:}",
+    CLI_BACKEND,
 ]
 
 
