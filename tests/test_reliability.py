@@ -403,9 +403,8 @@ def uninterrupted(tmp_path_factory) -> dict:
 @pytest.mark.xdist_group("signals")  # one worker: the uninterrupted run is made once
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_saves_a_checkpoint_and_resume_equals_uninterrupted(tmp_path, sig, uninterrupted):
-    args = SIGNALLED
     run = tmp_path / "run"
-    proc = subprocess.Popen([*CLI, *args, f"hydra.run.dir={run}"], cwd=tmp_path, env=ENV,
+    proc = subprocess.Popen([*CLI, *SIGNALLED, f"hydra.run.dir={run}"], cwd=tmp_path, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.time() + 120
     while not (run / "partition.json").exists() and time.time() < deadline:
@@ -418,7 +417,7 @@ def test_signal_saves_a_checkpoint_and_resume_equals_uninterrupted(tmp_path, sig
     line = one_line(subprocess.CompletedProcess([], proc.returncode, out, err), 128 + sig)
     assert "checkpoint saved" in line and "resume=true" in line, line
     assert (run / "checkpoint.pt").exists() and not (run / "summary.json").exists()
-    again = fedbench(*args, "resume=true", f"hydra.run.dir={run}", cwd=tmp_path)
+    again = fedbench(*SIGNALLED, "resume=true", f"hydra.run.dir={run}", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     a, b = uninterrupted, json.loads((run / "summary.json").read_text())
     assert (a["final"], a["best"]) == (b["final"], b["best"])
