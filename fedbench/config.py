@@ -139,6 +139,7 @@ class FileData:
     root: str | None
     download: bool
     augment: bool
+    normalize: bool
 
 
 @dataclass

@@ -179,6 +179,7 @@ ABSENT_MEANS = {
     "server_opt.name": "none",
     "server_opt.variant": "paper",  # Algorithm 2 as printed, all there was before the key
     "server_opt.initial_accumulator": None,
+    "data.normalize": True,  # inputs were always normalized before the key
 }
 
 RESUME_MAY_CHANGE = (
@@ -319,6 +320,7 @@ class Run:
         root = dcfg.pop("root", None)
         download = bool(dcfg.pop("download", True))
         augment = bool(dcfg.pop("augment", False))
+        scale = bool(dcfg.pop("normalize", True))
         root = str(Path(root).expanduser()) if root else None
         data = load_dataset(name, root, download=download, **dcfg)
         scfg = plain(cfg.split)
@@ -331,7 +333,14 @@ class Run:
         s_idx, g_idx = eval_sets(self.partition, seed, float(cfg.eval.s_frac))
         self.eval_sets = {"S": [i.tolist() for i in s_idx], "G": [i.tolist() for i in g_idx]}
         self.fed = Federation(
-            data, self.partition, self.device, s_idx=s_idx, g_idx=g_idx, augment=augment, seed=seed
+            data,
+            self.partition,
+            self.device,
+            s_idx=s_idx,
+            g_idx=g_idx,
+            augment=augment,
+            normalize=scale,
+            seed=seed,
         )
         self.labels_pool = np.concatenate([data.y_train.numpy(), data.y_test.numpy()])
         self.num_classes = data.num_classes

@@ -217,6 +217,39 @@ def test_cifar10_pickles(tmp_path):
 
 
 @pytest.mark.quick
+def test_federation_normalizes_per_channel_or_keeps_pixels_in_unit_range(tmp_path):
+    """data.normalize: (x / 255 - mean_c) / std_c per channel, or x / 255 alone."""
+    from fedbench.data.federation import Federation
+    from fedbench.data.splits import Partition
+
+    write_cifar10(tmp_path)
+    ds = load_dataset("cifar10", tmp_path, download=False)
+    part = Partition([np.arange(20)], [np.arange(20, 30)])
+    raw = torch.cat([ds.x_train, ds.x_test]).double() / 255
+    mean = torch.tensor(ds.mean, dtype=torch.float64).view(1, 3, 1, 1)
+    std = torch.tensor(ds.std, dtype=torch.float64).view(1, 3, 1, 1)
+    on = Federation(ds, part).x.double()
+    off = Federation(ds, part, normalize=False).x.double()
+    assert torch.allclose(on, (raw - mean) / std, atol=1e-5)
+    assert torch.allclose(off, raw, atol=1e-6) and off.min() >= 0 and off.max() <= 1
+
+
+@pytest.mark.quick
+def test_a_run_saved_before_data_normalize_resumes_normalized():
+    """Inputs were always normalized before `data.normalize` existed: resuming such a run
+    with normalize=true is no difference, with normalize=false it is refused."""
+    from conftest import compose
+    from fedbench.runner import resume_differences
+    from fedbench.trees import plain
+
+    now = plain(compose(["algo=fedavg"]))
+    saved = {**now, "data": {k: v for k, v in now["data"].items() if k != "normalize"}}
+    assert resume_differences(saved, now) == []
+    off = plain(compose(["algo=fedavg", "data.normalize=false"]))
+    assert resume_differences(saved, off) == ["data.normalize (absent -> False)"]
+
+
+@pytest.mark.quick
 def test_cifar100_fine_labels(tmp_path):
     rng = np.random.default_rng(3)
     d = tmp_path / "cifar-100-python"

@@ -1,9 +1,9 @@
 """The federation: one dataset's tensors on the training device plus every client's indices.
 
 Train and test splits are concatenated into one pool (see `splits.Partition`); clients hold
-index tensors into it, never copies. Images are normalized once at construction (float32),
-so a batch is a gather; optional augmentation (random crop with padding, horizontal flip)
-runs on the device per training batch.
+index tensors into it, never copies. Images are normalized once at construction (float32;
+`normalize=False` keeps pixels in [0, 1]), so a batch is a gather; optional augmentation
+(random crop with padding, horizontal flip) runs on the device per training batch.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from fedbench.data.sources import Dataset
 from fedbench.data.splits import Partition
 
 
-def normalize(x: torch.Tensor, mean: tuple, std: tuple) -> torch.Tensor:
+def to_float(x: torch.Tensor, mean: tuple, std: tuple) -> torch.Tensor:
+    """Integer pixels as float32 in [0, 1]; then (x - mean_c) / std_c per channel if `mean`."""
     if not x.is_floating_point():
         x = x.float().div_(255.0)
     if mean:
@@ -36,12 +37,15 @@ class Federation:
         s_idx: list[np.ndarray] | None = None,
         g_idx: list[np.ndarray] | None = None,
         augment: bool = False,
+        normalize: bool = True,
         seed: int = 0,
     ) -> None:
         self.name = data.name
         self.device = torch.device(device)
         x = torch.cat([data.x_train, data.x_test])
-        self.x = normalize(x, data.mean, data.std).to(self.device)
+        # normalize=False keeps pixels in [0, 1] (torchvision's ToTensor alone)
+        stats = (data.mean, data.std) if normalize else ((), ())
+        self.x = to_float(x, *stats).to(self.device)
         self.y = torch.cat([data.y_train, data.y_test]).long().to(self.device)
         self.n_train_pool = int(data.x_train.shape[0])
         self.num_classes = int(data.num_classes)
