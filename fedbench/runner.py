@@ -320,7 +320,7 @@ class Run:
         root = dcfg.pop("root", None)
         download = bool(dcfg.pop("download", True))
         augment = bool(dcfg.pop("augment", False))
-        scale = bool(dcfg.pop("normalize", True))
+        normalize = bool(dcfg.pop("normalize", True))
         root = str(Path(root).expanduser()) if root else None
         data = load_dataset(name, root, download=download, **dcfg)
         scfg = plain(cfg.split)
@@ -339,7 +339,7 @@ class Run:
             s_idx=s_idx,
             g_idx=g_idx,
             augment=augment,
-            normalize=scale,
+            normalize=normalize,
             seed=seed,
         )
         self.labels_pool = np.concatenate([data.y_train.numpy(), data.y_test.numpy()])

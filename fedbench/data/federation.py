@@ -43,7 +43,6 @@ class Federation:
         self.name = data.name
         self.device = torch.device(device)
         x = torch.cat([data.x_train, data.x_test])
-        # normalize=False keeps pixels in [0, 1] (torchvision's ToTensor alone)
         stats = (data.mean, data.std) if normalize else ((), ())
         self.x = to_float(x, *stats).to(self.device)
         self.y = torch.cat([data.y_train, data.y_test]).long().to(self.device)
