@@ -43,6 +43,7 @@ from fedbench.errors import ConfigError, FedbenchError
 from fedbench.evaluation import SETS, evaluate, summaries
 from fedbench.io import CsvAppender, atomic_write, atomic_write_json, atomic_write_text
 from fedbench.models import build_model
+from fedbench.provenance import provenance
 from fedbench.report.partition import partition_counts
 from fedbench.rundir import RunDir, holds_run
 from fedbench.tracking import Sinks
@@ -323,6 +324,7 @@ class Run:
         normalize = bool(dcfg.pop("normalize", True))
         root = str(Path(root).expanduser()) if root else None
         data = load_dataset(name, root, download=download, **dcfg)
+        self.provenance = provenance(data.digest(), str(self.device))
         scfg = plain(cfg.split)
         split = scfg.pop("name")
         n = int(cfg.clients)
@@ -513,6 +515,7 @@ class Run:
             "final": st["final"],
             "best": st["best"],
             "malicious": 0 if self.attack is None else self.attack.count,
+            "provenance": self.provenance,
         }
         if st["size"]:
             summary["size"] = st["size"]
@@ -554,6 +557,7 @@ class Run:
             # the attack's Gaussian stream (A1), so that a resumed run draws the same noise
             "attack": None if self.attack is None else self.attack.rng_state(),
             "version": fedbench.__version__,
+            "provenance": self.provenance,
             "config": plain(self.cfg),  # resume=true checks the new config against it
         }
         size = atomic_write(self.out / CHECKPOINT, lambda f: torch.save(state, f))

@@ -192,6 +192,18 @@ def test_fmnist_idx_layouts(tmp_path, layout, gz):
 
 
 @pytest.mark.quick
+def test_digest_follows_content_not_location(tmp_path):
+    """A moved copy of the same files has the same digest; labels shifted by one do not."""
+    write_fmnist(tmp_path / "a", gz=True)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    a = load_dataset("fmnist", tmp_path / "a", download=False)
+    b = load_dataset("fmnist", tmp_path / "b", download=False)
+    assert a.digest() == b.digest() and len(a.digest()) == 64
+    shifted = Dataset(**{**a.__dict__, "y_train": (a.y_train + 1) % 10})
+    assert shifted.digest() != a.digest()
+
+
+@pytest.mark.quick
 def test_fmnist_truncated_idx_is_data_error(tmp_path):
     write_fmnist(tmp_path, gz=False)
     f = tmp_path / "train-images-idx3-ubyte"

@@ -77,6 +77,17 @@ class Dataset:
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x_train.shape[1:])
 
+    def digest(self) -> str:
+        """SHA-256 (hex) of what a run trains and tests on: the four tensors' dtypes, shapes
+        and bytes. The same content gives the same digest wherever its files lie (a moved
+        copy, the Debian package, the cache); other files of the same shape do not."""
+        h = hashlib.sha256()
+        for t in (self.x_train, self.y_train, self.x_test, self.y_test):
+            t = t.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)};".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
 
 def default_root() -> Path:
     """``$FEDBENCH_DATA`` if set, else ``~/.cache/fedbench``."""
