@@ -174,6 +174,7 @@ class Plan:
     created: Path | None = None
     sweep_dir: Path | None = None
     extra: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # printed once, before Hydra starts
 
 
 class BadInput(Exception):
@@ -256,7 +257,28 @@ def precheck(argv: list[str]) -> Plan:
         _check_job(cfg, where)
         if i == 0:
             _plan_dirs(plan, cfg, overrides)
+            _plan_warnings(plan, cfg)
     return plan
+
+
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def is_study(sweeper_target: object) -> bool:
+    """Whether a sweep's sweeper maximizes the runs' objective (Optuna, Nevergrad, Ax ...):
+    any but Hydra's basic sweeper, which only enumerates the grid."""
+    return bool(sweeper_target) and str(sweeper_target) != BASIC_SWEEPER
+
+
+def _plan_warnings(plan: Plan, cfg) -> None:
+    """A study tuned on the test set: one warning for the whole sweep."""
+    from omegaconf import OmegaConf
+
+    from fedbench.config import TEST_OBJECTIVE_WARNING, objective_on_test, task_config
+
+    target = OmegaConf.select(cfg, "hydra.sweeper._target_")
+    if plan.multirun and is_study(target) and objective_on_test(task_config(cfg)):
+        plan.warnings.append(TEST_OBJECTIVE_WARNING)
 
 
 def refusal(argv: list[str]) -> str | None:
@@ -420,7 +442,8 @@ def _make_task(plan: Plan):
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _terminated)  # a launcher's job never runs main()
         try:
-            run = Run(cfg, out, progress=sys.stderr.isatty())
+            tuning = multirun and is_study(hc.sweeper.get("_target_"))
+            run = Run(cfg, out, progress=sys.stderr.isatty(), tuning=tuning)
             started = True
             summary = run.run(files)
         except Interrupted as e:
@@ -519,6 +542,8 @@ def main() -> None:
     except KeyboardInterrupt:
         print("fedbench: interrupted", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
+    for line in plan.warnings:
+        print(f"fedbench: warning: {line}", file=sys.stderr)
     before = _failed_notes(plan.sweep_dir)
     sys.argv = [sys.argv[0], *argv, *plan.extra]
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(

@@ -55,6 +55,10 @@ class EvalParams:
     tail: float = hp(gt=0, le=0.5)  # top5 / bottom5 are the best / worst `tail` of clients
     s_frac: float = fraction()
     batch_size: int = at_least(1)
+    # the round a run reports as `selected` (summary.json; the report's default): val = the
+    # best validation (V) avg, last, best_test = the best test L avg (optimistic); auto: val
+    # with split.val_frac > 0, else last
+    select: Literal["auto", "val", "last", "best_test"]
 
 
 @dataclass
@@ -95,12 +99,13 @@ class LogParams:
 @dataclass
 class ObjectiveParams:
     metric: str
-    at: Literal["final", "best"]
+    # final: the last evaluation; best: the best test L avg; selected: eval.select's round
+    at: Literal["final", "best", "selected"]
 
 
 OBJECTIVE = re.compile(
-    r"^((personal|global|head|trained)\.(L|S|G)\.(avg|weighted|std|top5|bottom5|min|max)"
-    r"|global\.all)$"
+    r"^((personal|global|head|trained)\.(L|S|G|V)\.(avg|weighted|std|top5|bottom5|min|max)"
+    r"|global\.all|auto)$"
 )
 
 
@@ -175,6 +180,7 @@ class SplitCommon:
     test_mode: TestMode
     test_per_client: int | None = at_least(1)
     train_frac: float = hp(gt=0, lt=1)
+    val_frac: float = hp(ge=0, lt=1)  # each client's stratified validation share of its train
 
 
 @dataclass
@@ -369,9 +375,21 @@ def _check_together(node: dict, groups: dict) -> None:
     metric = node["objective"]["metric"]
     if not OBJECTIVE.match(metric):
         raise ConfigError(
-            f"objective.metric={metric!r}; valid: <personal|global|head|trained>.<L|S|G>."
-            "<avg|weighted|std|top5|bottom5|min|max>, or global.all"
+            f"objective.metric={metric!r}; valid: auto, <personal|global|head|trained>."
+            "<L|S|G|V>.<avg|weighted|std|top5|bottom5|min|max>, or global.all"
         )
+    val_frac = groups["split"].get("val_frac") or 0
+    if not val_frac:
+        select = node["eval"]["select"]
+        if select == "val":
+            raise ConfigError(
+                "eval.select=val needs validation data: set split.val_frac (e.g. 0.1), or "
+                "use eval.select=last"
+            )
+        if metric.split(".")[1:2] == ["V"]:
+            raise ConfigError(
+                f"objective.metric={metric} needs validation data: set split.val_frac (e.g. 0.1)"
+            )
     p = node["participation"]
     if p > 1 and (p != int(p) or p > n):
         raise ConfigError(
@@ -388,3 +406,19 @@ def _check_together(node: dict, groups: dict) -> None:
     root = groups["data"].get("root")
     if root and Path(str(root)).expanduser().exists() and not Path(root).expanduser().is_dir():
         raise ConfigError(f"data.root={root} is a file, not a directory")
+
+
+def objective_on_test(cfg: DictConfig | dict) -> bool:
+    """Whether the run's objective (what a sweeper maximizes) is a test-set number: an
+    explicit metric of L, S, G or global.all, or `auto` without validation data."""
+    node = plain(cfg)
+    metric = str(node["objective"]["metric"])
+    if metric == "auto":
+        return not (node["split"].get("val_frac") or 0)
+    return metric.split(".")[1:2] != ["V"]
+
+
+TEST_OBJECTIVE_WARNING = (
+    "objective on the test set: tuning on test data is optimistic (set split.val_frac, e.g. "
+    "0.1, for a validation objective)"
+)

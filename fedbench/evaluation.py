@@ -2,7 +2,14 @@
 
 For every client i and each model kind (`personal`, `global`): accuracy on the client's own
 test set (L), on a mixture with other clients' test sets (S) and on a sample of the union
-of all test sets (G). Correctness is computed on the device; one transfer at the end.
+of all test sets (G), and, with `split.val_frac` > 0, on its own validation set (V: carved
+out of its training share; what a round or a hyperparameter is selected by). Correctness is
+computed on the device; one transfer at the end.
+
+`eval.select` names the evaluation a run reports as `selected` (summary.json): `val` the
+one with the best V avg, `last` the last one, `best_test` the one with the best L avg
+(today's `best`: chosen on the test set, so optimistic); `auto` is `val` with validation
+data, else `last`.
 """
 
 from __future__ import annotations
@@ -13,8 +20,11 @@ from functools import partial
 import numpy as np
 import torch
 
-SETS = ("L", "S", "G")
+TEST_SETS = ("L", "S", "G")  # drawn from the clients' test sets
+VAL = "V"  # the clients' validation sets
+SETS = (*TEST_SETS, VAL)
 STATS = ("avg", "weighted", "std", "top5", "bottom5", "min", "max")
+SELECT = ("val", "last", "best_test")  # eval.select's rules (and `auto`)
 
 
 def summarize(acc: np.ndarray, sizes: np.ndarray | None = None, tail: float = 0.05) -> dict:
@@ -43,6 +53,8 @@ def _sets(fed, i: int) -> dict[str, torch.Tensor]:
         out["S"] = fed.s_idx[i]
     if fed.g_idx is not None:
         out["G"] = fed.g_idx[i]
+    if getattr(fed, "val_idx", None) is not None:
+        out[VAL] = fed.val_idx[i]
     return out
 
 
@@ -73,10 +85,13 @@ def evaluate(algo, fed, tail: float = 0.05, honest=None) -> dict:
     if algo.has_personal:
         result["personal"] = _per_client(fed, algo.personal_correct, tail, ids)
     if algo.has_global:
-        # The global model is the same for every client: score the union of test samples once.
+        # The global model is the same for every client: score the union of test samples
+        # (and of validation samples, when there are any) once.
         union = torch.unique(torch.cat(fed.test_idx))
+        val_idx = getattr(fed, "val_idx", None)
+        scored = union if val_idx is None else torch.unique(torch.cat([union, *val_idx]))
         ok_pool = torch.zeros(fed.y.numel(), dtype=torch.bool, device=fed.y.device)
-        ok_pool[union] = algo.global_correct(union)
+        ok_pool[scored] = algo.global_correct(scored)
         hits, sizes = {}, {}
         for i in range(N) if ids is None else ids:
             for name, ix in _sets(fed, i).items():
@@ -116,3 +131,41 @@ def summaries(result: dict) -> dict:
         if "all" in r:
             out[kind]["all"] = r["all"]
     return out
+
+
+def resolve_select(select: str, has_val: bool) -> str:
+    """eval.select's rule: `auto` is `val` with validation data, else `last`."""
+    if select == "auto":
+        return "val" if has_val else "last"
+    return select
+
+
+def model_kind(ev: dict) -> str:
+    """The model an evaluation's round is chosen by: personal where there is one."""
+    return "personal" if ev.get("personal") else "global"
+
+
+def score(ev: dict | None, set_name: str) -> float | None:
+    """An evaluation's (a summary block's) avg accuracy on `set_name` of `model_kind`."""
+    if not ev:
+        return None
+    node = (ev.get(model_kind(ev)) or {}).get(set_name)
+    return float(node["avg"]) if isinstance(node, dict) and "avg" in node else None
+
+
+def better(new: dict, old: dict | None, set_name: str) -> bool:
+    """Whether evaluation `new` beats `old` on `set_name` (strictly: a tie keeps the
+    earlier round; a NaN never wins)."""
+    a = score(new, set_name)
+    if a is None or a != a:
+        return False
+    b = score(old, set_name)
+    return b is None or b != b or a > b
+
+
+def selected(rule: str, final: dict, best_test: dict | None, best_val: dict | None) -> dict:
+    """summary.json's `selected` block: {'by': rule, 'round': ..., <the chosen evaluation>}.
+    `rule` is resolved (val | last | best_test); `val` without a validated evaluation falls
+    back to nothing chosen (an empty evaluation with by=val)."""
+    block = {"last": final, "best_test": best_test, "val": best_val}[rule]
+    return {"by": rule, **(block or {})}

@@ -40,7 +40,7 @@ from fedbench.data.sources import load_dataset
 from fedbench.data.splits import eval_sets, make_partition
 from fedbench.engine import Engine
 from fedbench.errors import ConfigError, FedbenchError
-from fedbench.evaluation import SETS, evaluate, summaries
+from fedbench.evaluation import SETS, VAL, better, evaluate, resolve_select, selected, summaries
 from fedbench.io import CsvAppender, atomic_write, atomic_write_json, atomic_write_text
 from fedbench.models import build_model
 from fedbench.provenance import provenance
@@ -181,6 +181,8 @@ ABSENT_MEANS = {
     "server_opt.variant": "paper",  # Algorithm 2 as printed, all there was before the key
     "server_opt.initial_accumulator": None,
     "data.normalize": True,  # inputs were always normalized before the key
+    "split.val_frac": 0.0,  # no validation set before the key
+    "eval.select": "auto",  # = last without validation: the summary's `final`
 }
 
 RESUME_MAY_CHANGE = (
@@ -306,10 +308,15 @@ def _refuse_differences(saved: dict, cfg: DictConfig, source: Path) -> None:
 class Run:
     """Everything a run is built from; `Run(cfg, out_dir).run()` is what the CLI calls."""
 
-    def __init__(self, cfg: DictConfig, out_dir: str | Path, progress: bool = True) -> None:
+    def __init__(
+        self, cfg: DictConfig, out_dir: str | Path, progress: bool = True, tuning: bool = False
+    ) -> None:
+        """`tuning`: the run is a trial of a study that maximizes its objective (a Hydra
+        sweeper other than the basic one); summary.json's `objective` says so."""
         self.cfg = cfg
         self.out = Path(out_dir)
         self.progress = progress
+        self.tuning = tuning
         check_config(cfg)
         algo_cls = ALGORITHMS.get(str(cfg.algo.name))
         if cfg.resume:
@@ -440,6 +447,7 @@ class Run:
             "elapsed_s": 0.0,
             "comm": {"bytes_up": 0, "bytes_down": 0},
             "best": None,
+            "best_val": None,  # the evaluation with the best V avg (split.val_frac > 0)
             "final": None,
             "size": None,
             "metrics_csv": b"",
@@ -447,6 +455,7 @@ class Run:
         }
         if cfg.resume and (self.out / CHECKPOINT).exists():
             st = self._restore()
+            st.setdefault("best_val", None)  # a checkpoint from before validation sets
         sinks.start(plain(cfg), self.out, bool(cfg.resume))
         metrics = _appender(self.out / "metrics.csv", st["metrics_csv"])
         clients = _clients_appender(self.out / "clients.csv", st["clients_len"])
@@ -484,6 +493,8 @@ class Run:
                     st["final"] = {"round": t + 1, **summ}
                     if st["best"] is None or _key(st["final"]) > _key(st["best"]):
                         st["best"] = st["final"]
+                    if better(st["final"], st["best_val"], VAL):
+                        st["best_val"] = st["final"]
                     bar.set_postfix_str(_postfix(summ))
                     if not self.progress:  # a SLURM log, a pipe: one line per evaluation
                         log.info(_progress_line(t + 1, rounds, summ, first, t_loop))
@@ -514,14 +525,22 @@ class Run:
             "version": fedbench.__version__,
             "final": st["final"],
             "best": st["best"],
+            # the round the tables report (eval.select): by val, last or best_test
+            "selected": selected(self._select_rule(), st["final"], st["best"], st["best_val"]),
             "malicious": 0 if self.attack is None else self.attack.count,
             "provenance": self.provenance,
         }
         if st["size"]:
             summary["size"] = st["size"]
+        summary["objective"] = objective_record(
+            summary, str(cfg.objective.metric), str(cfg.objective.at), self.tuning
+        )
         atomic_write_json(self.out / "summary.json", summary)
         sinks.finish(summary)
         return summary
+
+    def _select_rule(self) -> str:
+        return resolve_select(str(self.cfg.eval.select), self.fed.val_idx is not None)
 
     def _check_loss(self, train_loss: torch.Tensor | float, t: int) -> float:
         loss = float(train_loss)
@@ -752,13 +771,46 @@ def _postfix(summ: dict) -> str:
     return " ".join(parts)
 
 
+def objective_metric(summary: dict, metric: str, at: str = "final") -> str:
+    """`metric` with `auto` resolved: the V avg of the personalized model (global where
+    there is none) when the run has validation sets, else its L avg."""
+    if metric != "auto":
+        return metric
+    block = _objective_block(summary, at)
+    kind = "personal" if block.get("personal") else "global"
+    has_val = isinstance(block.get(kind), dict) and VAL in block[kind]
+    return f"{kind}.{VAL if has_val else 'L'}.avg"
+
+
+def _objective_block(summary: dict, at: str) -> dict:
+    # `selected` in a summary written before it: `final` (auto without validation)
+    block = summary.get(at) if at != "selected" else summary.get("selected", summary.get("final"))
+    return block if isinstance(block, dict) else {}
+
+
 def objective(summary: dict, metric: str, at: str = "final") -> float:
-    """The summary's `metric` (e.g. personal.L.avg) at its final or best evaluation: what a
-    run returns to a Hydra sweeper. NaN where the run has no such model or set."""
-    node = summary.get(at) or {}
-    for part in metric.split("."):
+    """The summary's `metric` (e.g. personal.L.avg, or auto) at its final, best (test) or
+    selected evaluation: what a run returns to a Hydra sweeper. NaN where the run has no
+    such model or set."""
+    node: object = _objective_block(summary, at)
+    for part in objective_metric(summary, metric, at).split("."):
         node = node.get(part) if isinstance(node, dict) else None
     return float(node) if isinstance(node, int | float) else float("nan")
+
+
+def objective_record(summary: dict, metric: str, at: str, tuning: bool) -> dict:
+    """summary.json's `objective`: the metric (resolved), the round rule, its value, whether
+    it is a test-set number (`on_test`: a study that maximizes it tunes on test data) and
+    whether the run was a trial of such a study (`tuning`)."""
+    name = objective_metric(summary, metric, at)
+    value = objective(summary, name, at)
+    return {
+        "metric": name,
+        "at": at,
+        "value": value if math.isfinite(value) else None,
+        "on_test": name.split(".")[1:2] != [VAL],
+        "tuning": bool(tuning),
+    }
 
 
 def final_table(summary: dict) -> str:
@@ -770,12 +822,20 @@ def final_table(summary: dict) -> str:
         row = {}
         for k in ("avg", "top5", "bottom5", "std"):
             row[f"L.{k}"] = 100 * s["L"][k]
-        for name in ("S", "G"):
+        for name in ("S", "G", VAL):
             if name in s:
                 row[f"{name}.avg"] = 100 * s[name]["avg"]
         if "all" in s:
             row["all"] = 100 * s["all"]
         rows[kind] = row
+    pick = summary.get("selected") or {}
+    final_round = (summary.get("final") or {}).get("round")
+    if pick.get("by") == "val" and pick.get("round", final_round) != final_round:
+        # the round validation chose, where it is not the last
+        kind = "personal" if pick.get("personal") else "global"
+        rows[f"{kind} @ round {pick['round']} (best V)"] = {
+            f"{n}.avg": 100 * pick[kind][n]["avg"] for n in ("L", VAL) if n in pick[kind]
+        }
     df = pd.DataFrame(rows).T
     head = (
         f"{summary['algo']} | {summary['data']} {summary['split']} | {summary['model']} | "

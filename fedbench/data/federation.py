@@ -57,6 +57,9 @@ class Federation:
 
         self.train_idx = dev(partition.train)
         self.test_idx = dev(partition.test)
+        # each client's validation set (split.val_frac; None without one): scored as the V
+        # set beside L / S / G, never trained on
+        self.val_idx = dev(partition.val) if partition.val else None
         self.s_idx = dev(s_idx) if s_idx is not None else None
         self.g_idx = dev(g_idx) if g_idx is not None else None
         self.train_sizes = torch.tensor([len(i) for i in partition.train], dtype=torch.float32)
@@ -73,6 +76,11 @@ class Federation:
         return x, self.y.index_select(0, idx)
 
     def labels(self, client: int, which: str = "train") -> torch.Tensor:
+        """A client's labels of its `train`, `test` or `val` set."""
+        if which == "val":
+            if self.val_idx is None:
+                raise ValueError("this federation has no validation sets (split.val_frac=0)")
+            return self.y[self.val_idx[client]]
         idx = self.train_idx[client] if which == "train" else self.test_idx[client]
         return self.y[idx]
 

@@ -4,9 +4,10 @@ A split is a pure function ``(labels, num_clients, rng, **params) -> list[index 
 registered in ``SPLITS`` (``iid``, ``pat``, ``dir``, ``practical``); it returns one sorted
 int64 index array per client and never hands a sample to two clients. ``make_partition``
 applies a split to a dataset's official train/test labels and builds each client's test
-set (``test_mode``: ``matched`` or ``pooled``); its indices point into the POOL, the
-concatenation ``[train split; test split]``. ``eval_sets`` draws the S and G sets of
-FedPG's L / S / G accuracy (docs/metrics.md). Everything random comes from the seed.
+set (``test_mode``: ``matched`` or ``pooled``) and, with ``val_frac`` > 0, a stratified
+validation set carved out of each client's training share; its indices point into the
+POOL, the concatenation ``[train split; test split]``. ``eval_sets`` draws the S and G sets
+of FedPG's L / S / G accuracy (docs/metrics.md). Everything random comes from the seed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ SPLITS: Registry[SplitFn] = Registry("split")
 log = logging.getLogger(__name__)
 
 _MAX_TRIES = 1000  # dir per_class redraws before giving up on min_samples
-_TEST_KEYS = ("test_mode", "test_per_client", "train_frac")  # make_partition's, not the split's
+# make_partition's keys, not the split's
+_TEST_KEYS = ("test_mode", "test_per_client", "train_frac", "val_frac")
 _ROWS = 20  # summary(): above this many clients show only the first and last rows
 
 
@@ -490,7 +492,9 @@ def practical(
 
 @dataclass(eq=False)
 class Partition:
-    """Every client's train and test indices into the POOL ``[train split; test split]``.
+    """Every client's train and test indices into the POOL ``[train split; test split]``,
+    and its validation indices (``val``: empty without ``split.val_frac``; disjoint from its
+    train and test indices).
 
     ``meta``: split name, params, seed, test_mode, num_clients, n_train, n_test and
     ``warnings`` (a list of strings); JSON-serializable.
@@ -499,6 +503,7 @@ class Partition:
     train: list[np.ndarray]
     test: list[np.ndarray]
     meta: dict[str, Any] = field(default_factory=dict)
+    val: list[np.ndarray] = field(default_factory=list)
 
     @property
     def num_clients(self) -> int:
@@ -511,22 +516,26 @@ class Partition:
         return (
             same(self.train, other.train)
             and same(self.test, other.test)
+            and same(self.val, other.val)
             and (self.meta == other.meta)
         )
 
     __hash__ = None  # type: ignore[assignment]
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "train": [t.tolist() for t in self.train],
             "test": [t.tolist() for t in self.test],
             "meta": _jsonable(self.meta),
         }
+        if self.val:  # absent without validation: partition.json as before the key
+            out["val"] = [v.tolist() for v in self.val]
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Partition:
         arr = lambda xs: [np.asarray(x, dtype=np.int64) for x in xs]  # noqa: E731
-        return cls(arr(d["train"]), arr(d["test"]), dict(d.get("meta", {})))
+        return cls(arr(d["train"]), arr(d["test"]), dict(d.get("meta", {})), arr(d.get("val", [])))
 
     def summary(self, labels_pool: np.ndarray, num_classes: int) -> str:
         """Text table: client, #train, #test, #classes, top classes (class:count in train)."""
@@ -534,11 +543,13 @@ class Partition:
         cc = _class_counts(y, self.train, num_classes)
         n_tr, n_cls = cc.sum(axis=1), (cc > 0).sum(axis=1)
         n_te = np.array([len(t) for t in self.test], dtype=np.int64)
+        n_va = np.array([len(v) for v in self.val], dtype=np.int64)
         m = self.meta
+        val_head = f" {'#val':>5}" if self.val else ""
         out = [
             f"partition: split={m.get('split')} test_mode={m.get('test_mode')} "
             f"seed={m.get('seed')} clients={self.num_clients}",
-            f"{'client':>6} {'#train':>7} {'#test':>6} {'#classes':>8}  top classes",
+            f"{'client':>6} {'#train':>7}{val_head} {'#test':>6} {'#classes':>8}  top classes",
         ]
         n = self.num_clients
         rows: list[int | None] = (
@@ -550,12 +561,12 @@ class Partition:
                 continue
             top = np.argsort(-cc[i], kind="stable")[:3]
             tops = " ".join(f"{c}:{cc[i, c]}" for c in top if cc[i, c] > 0)
-            out.append(f"{i:>6} {n_tr[i]:>7} {n_te[i]:>6} {n_cls[i]:>8}  {tops}")
+            val = f" {n_va[i]:>5}" if self.val else ""
+            out.append(f"{i:>6} {n_tr[i]:>7}{val} {n_te[i]:>6} {n_cls[i]:>8}  {tops}")
         if n:
-            stats = ", ".join(
-                f"{name} {v.min()}/{np.median(v):g}/{v.max()}"
-                for name, v in (("#train", n_tr), ("#test", n_te), ("#classes", n_cls))
-            )
+            cols = [("#train", n_tr), *([("#val", n_va)] if self.val else [])]
+            cols += [("#test", n_te), ("#classes", n_cls)]
+            stats = ", ".join(f"{name} {v.min()}/{np.median(v):g}/{v.max()}" for name, v in cols)
             out.append(f"min/median/max: {stats}")
         out += [f"warning: {w}" for w in m.get("warnings", [])]
         return "\n".join(out)
@@ -600,6 +611,45 @@ def _matched_tests(
     return _take(y_te, counts, rng, cyclic=True)
 
 
+def carve_validation(
+    labels_pool: np.ndarray, train: list[np.ndarray], val_frac: float, rng: np.random.Generator
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(train, val): each client's validation set carved out of its training indices,
+    stratified: round(val_frac * n_i) samples (half up), divided among its classes in
+    proportion to their counts (largest remainder), each class's drawn at random. The
+    validation samples leave the training set. A client whose share leaves no validation
+    or no training sample is a SplitError."""
+    if not 0 <= val_frac < 1:
+        raise ConfigError(f"split.val_frac={val_frac}; use a number in [0, 1)")
+    y = _labels(labels_pool)
+    n_cls = int(y.max(initial=0)) + 1
+    sizes = np.array([len(t) for t in train], dtype=np.int64)
+    want = np.floor(val_frac * sizes + 0.5).astype(np.int64)
+    if (bad := np.flatnonzero((want < 1) | (want >= sizes))).size:
+        i = int(bad[0])
+        fix = (
+            f"raise val_frac to at least {0.5 / max(sizes[i], 1):.3g} or give clients more "
+            "training data"
+            if want[i] < 1
+            else "lower val_frac"
+        )
+        raise SplitError(
+            f"split.val_frac={val_frac}: client {i} has {sizes[i]} training samples, too few "
+            f"to carve a validation set ({want[i]} samples) and keep one to train on; {fix}"
+        )
+    per_class = _round_to(want, _class_counts(y, train, n_cls))
+    new_train, val = [], []
+    for i, t in enumerate(train):
+        p = rng.permutation(t)
+        p = p[np.argsort(y[p], kind="stable")]  # grouped by class, shuffled within
+        yc = y[p]
+        rank = np.arange(len(p)) - np.searchsorted(yc, yc)  # position within its class
+        pick = rank < per_class[i, yc]
+        val.append(np.sort(p[pick]))
+        new_train.append(np.sort(p[~pick]))
+    return new_train, val
+
+
 def make_partition(
     y_train: np.ndarray,
     y_test: np.ndarray,
@@ -619,6 +669,11 @@ def make_partition(
       across clients while a class lasts, then reusing it (a warning in ``meta``).
     - ``pooled``: split train + test together, then each client's pool into train/test by
       ``train_frac`` (0.75); train_per_client then counts the whole pool.
+
+    ``val_frac`` (default 0: none) carves each client's validation set out of its training
+    share (`carve_validation`) with its own stream ``default_rng([seed, 2])``: the train and
+    test sets drawn before it, and everything drawn from the partition's stream, are the
+    same as without validation.
     """
     fn = SPLITS.get(split)
     params = _jsonable(dict(params or {}))
@@ -653,6 +708,12 @@ def make_partition(
             test.append(np.sort(p[k:]))
     else:
         raise ConfigError(f"split.test_mode={test_mode!r}; valid: matched, pooled")
+    val: list[np.ndarray] = []
+    val_frac = params.get("val_frac") or 0.0
+    if val_frac:
+        train, val = carve_validation(
+            np.concatenate([y_tr, y_te]), train, float(val_frac), np.random.default_rng([seed, 2])
+        )
     meta = {
         "split": split,
         "params": params,
@@ -663,7 +724,7 @@ def make_partition(
         "n_test": len(y_te),
         "warnings": warnings,
     }
-    return Partition(train, test, meta)
+    return Partition(train, test, meta, val)
 
 
 # ------------------------------------------------------------------------ L / S / G sets
