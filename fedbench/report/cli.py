@@ -19,6 +19,7 @@ from fedbench.report.collect import (
     ReportError,
     RunDir,
     check_metric,
+    default_select,
     find_runs,
     follows,
     format_value,
@@ -29,7 +30,13 @@ from fedbench.report.collect import (
     varying_keys,
     write_output,
 )
-from fedbench.report.compare import DEFAULT_BEST_BY, BestOf, compare_to
+from fedbench.report.compare import (
+    DEFAULT_BEST_BY,
+    VAL_BEST_BY,
+    BestOf,
+    compare_to,
+    default_best_by,
+)
 from fedbench.report.table import (
     EXTENSION,
     FORMATS,
@@ -124,9 +131,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--select",
         choices=SELECT,
-        help="the evaluation round a run contributes: final = the last, best = the one "
-        "with the highest L.avg of the model the metric is about (default: final; a "
-        "preset's own rule with --preset)",
+        help="the evaluation round a run contributes: val = the one with the highest "
+        "validation V.avg of the model the metric is about (runs with split.val_frac > 0); "
+        "last (or final) = the last; best_test (or best) = the one with the highest test "
+        "L.avg (chosen on the test set: optimistic). Default: the runs' eval.select (val "
+        "with validation sets), else last, or a preset's own rule with --preset",
     )
     p.add_argument("--format", choices=FORMATS, default="terminal", help="output format")
     p.add_argument(
@@ -159,8 +168,9 @@ def parser() -> argparse.ArgumentParser:
         "--best-by",
         metavar="METRIC",
         help=f"what --best-of maximizes (minimizes for losses, times, sizes), at the round "
-        f"--select picks (default: {DEFAULT_BEST_BY}, FedPG's (L + S + G) / 3 of the "
-        f"personalized model); any metric --metric accepts",
+        f"--select picks (default: {VAL_BEST_BY}, the validation accuracy, where every run "
+        f"has validation sets, else {DEFAULT_BEST_BY}, FedPG's (L + S + G) / 3 of the "
+        f"personalized model on the test sets); any metric --metric accepts",
     )
     p.add_argument(
         "--reference",
@@ -236,7 +246,7 @@ def best_of(args: argparse.Namespace, runs: list[RunDir]) -> BestOf | None:
     if not args.best_of:
         return None
     check_keys([args.best_of], runs)
-    by = args.best_by or DEFAULT_BEST_BY
+    by = args.best_by or default_best_by(runs)
     check_metric(by, runs)
     for flag, keys in (("--rows", args.rows), ("--cols", args.cols)):
         if args.best_of in (keys or []):
@@ -266,6 +276,8 @@ def make_table(args: argparse.Namespace, runs: list[RunDir]) -> Table:
     scale = 1.0 if args.fraction else 100.0
     digits = args.digits if args.digits is not None else (3 if args.fraction else 2)
     best = best_of(args, runs)
+    fallback = presets.get(args.preset).select if args.preset else "final"
+    select = args.select or default_select(runs, fallback, warn=_warn)
     if args.preset:
         if args.rows or args.cols is not None or args.metric:
             raise ReportError(
@@ -274,7 +286,7 @@ def make_table(args: argparse.Namespace, runs: list[RunDir]) -> Table:
         if args.fraction:
             raise ReportError("--preset prints accuracies as its paper does (percent)")
         table, _ = presets.get(args.preset).build(
-            runs, args.select, compact=args.compact, best_of=best, digits=digits
+            runs, select, compact=args.compact, best_of=best, digits=digits
         )
     else:
         if args.compact:
@@ -289,7 +301,7 @@ def make_table(args: argparse.Namespace, runs: list[RunDir]) -> Table:
             cols = args.cols
         else:
             cols, left_out = auto_cols(runs, rows, [best.key] if best else [])
-        table = build(runs, rows, cols, metrics, args.select or "final", scale, digits, best)
+        table = build(runs, rows, cols, metrics, select, scale, digits, best)
         if left_out:
             table.notes.append(
                 "not columns (each follows from the keys named): "

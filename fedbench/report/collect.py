@@ -34,7 +34,15 @@ from fedbench.errors import FedbenchError
 
 ALIASES = {"algo": "algo.name", "data": "data.name", "split": "split.name", "model": "model.name"}
 # Keys that say where or how a run was computed, not what: never a reason to tell runs apart.
-INCIDENTAL = ("device", "data.root", "data.download", "eval.batch_size", "engine.backend", "resume")
+INCIDENTAL = (
+    "device",
+    "data.root",
+    "data.download",
+    "eval.batch_size",
+    "engine.backend",
+    "resume",
+    "eval.select",  # which round a table reports is the table's --select, one for all runs
+)
 INCIDENTAL_PREFIXES = ("hydra.", "checkpoint.")
 
 
@@ -273,20 +281,28 @@ def _natural_key(name: str) -> tuple:
 # head / trained: per-client predictors reported beside the personalized one (FedProto's
 # classifier head; FedCAC's model after local training, before the server's mix)
 KINDS = ("personal", "global", "head", "trained")
-SETS = ("L", "S", "G")
+SETS = ("L", "S", "G")  # the test sets (FedPG's L / S / G)
+VAL = "V"  # the clients' validation sets (split.val_frac > 0)
+ACC_SETS = (*SETS, VAL)
 STATS = ("avg", "weighted", "std", "top5", "bottom5", "min", "max")
 RUN_METRICS = ("train_loss", "bytes_up", "bytes_down", "wall_time_s")
 _ACCURACY = re.compile(
-    rf"^({'|'.join(KINDS)})\.({'|'.join(SETS)})\.({'|'.join(STATS)})$|^global\.all$"
+    rf"^({'|'.join(KINDS)})\.({'|'.join(ACC_SETS)})\.({'|'.join(STATS)})$|^global\.all$"
     rf"|^({'|'.join(KINDS)})\.LSG$"
 )
 # KIND.LSG: (L.avg + S.avg + G.avg) / 3 of one model kind, FedPG's criterion for its best lr
 _LSG = re.compile(rf"^({'|'.join(KINDS)})\.LSG$")
 METRIC_HELP = (
-    f"KIND.SET.STAT with KIND {'|'.join(KINDS)}, SET {'|'.join(SETS)}, STAT {'|'.join(STATS)}; "
+    f"KIND.SET.STAT with KIND {'|'.join(KINDS)}, SET {'|'.join(ACC_SETS)} (V: validation), "
+    f"STAT {'|'.join(STATS)}; "
     f"KIND.LSG = (L.avg + S.avg + G.avg) / 3; global.all; {', '.join(RUN_METRICS)}; or any "
     f"other column of metrics.csv"
 )
+
+
+def on_validation(metric: str) -> bool:
+    """Whether a metric is a validation-set number (KIND.V.STAT), not a test-set one."""
+    return metric.split(".")[1:2] == [VAL]
 
 
 def is_accuracy(metric: str) -> bool:
@@ -312,11 +328,67 @@ def _best_kind(run: RunDir, kind: str | None) -> str:
     return "personal" if has_personal else "global"
 
 
+# --select's rules: final = last, best = best_test (the older names, kept), val
+SELECT_RULES = ("val", "last", "best_test", "final", "best")
+_BLOCK = {"final": "final", "last": "final", "best": "best", "best_test": "best"}
+_SELECT_SET = {"best": "L", "best_test": "L", "val": VAL}
+
+
+def select_rule(select: str) -> str:
+    """The canonical rule of a --select value: final -> last, best -> best_test."""
+    return {"final": "last", "best": "best_test"}.get(select, select)
+
+
+def has_validation(run: RunDir) -> bool:
+    """Whether the run carved validation sets (split.val_frac > 0)."""
+    try:
+        return float(run.get("split.val_frac") or 0) > 0
+    except (TypeError, ValueError):
+        return False
+
+
+def run_select(run: RunDir) -> str | None:
+    """The round rule the run asked for (eval.select; auto: val with validation data),
+    or None where it leaves the choice to the report (auto without validation, or a run
+    from before the key)."""
+    rule = run.get("eval.select")
+    if rule in ("val", "last", "best_test"):
+        return rule
+    return "val" if has_validation(run) else None
+
+
+def default_select(runs: list[RunDir], fallback: str, warn=None) -> str:
+    """--select when not given: the rule the finished runs asked for (`run_select`) when
+    they agree, else `fallback` (the report's own default: final, or a preset's rule);
+    runs that ask for different rules are warned about."""
+    rules = {run_select(r) for r in runs if not r.failed}
+    if len(rules) == 1 and None not in rules:
+        return rules.pop()
+    asked = sorted(r for r in rules if r is not None)
+    if asked:
+        (warn or _warn)(
+            f"the runs ask for different rounds (eval.select: {', '.join(asked)}"
+            f"{', unset' if None in rules else ''}); the table reports the "
+            f"{when_text(fallback)}: choose with --select"
+        )
+    return fallback
+
+
+def when_text(select: str) -> str:
+    """What a --select rule reports, as tables say it."""
+    rule = select_rule(select)
+    if rule == "val":
+        return "validation-selected round"
+    return "last evaluation" if rule == "last" else "best round"
+
+
 def selected(run: RunDir, metric: str, select: str) -> tuple[int | None, float | None]:
     """(round, value) of `metric` in a finished run at the selected evaluation round:
-    `final` = the last evaluation; `best` = the evaluation with the highest L.avg of the
-    model kind the metric is about (personal.* -> personal.L.avg, global.* ->
-    global.L.avg: the best round of the model the cell shows, as the papers report it).
+    `final`/`last` = the last evaluation; `best`/`best_test` = the evaluation with the
+    highest L.avg of the model kind the metric is about (personal.* -> personal.L.avg,
+    global.* -> global.L.avg: the best round of the model the cell shows, as the papers
+    report it; chosen on the test set, so optimistic); `val` = the one with the highest
+    V.avg (validation) of that model kind, None for a run without validation sets.
     Values come from metrics.csv, summary.json when it is missing. (None, None) for a
     failed run; value None when the run has no such metric (e.g. `local` has no global
     model). `KIND.LSG` is the mean of KIND.L.avg, KIND.S.avg and KIND.G.avg at that round."""
@@ -331,16 +403,21 @@ def selected(run: RunDir, metric: str, select: str) -> tuple[int | None, float |
     kind = metric.split(".", 1)[0]
     m = run.metrics
     if m is not None and not m.empty and "round" in m:
-        if select == "final":
+        if select in ("final", "last"):
             row = m.loc[m["round"].idxmax()]
         else:
-            key = f"{_best_kind(run, kind)}.L.avg"
+            key = f"{_best_kind(run, kind)}.{_SELECT_SET[select]}.avg"
             if key not in m or m[key].isna().all():
                 return None, None
-            row = m.loc[m[key].idxmax()]
+            row = m.loc[m[key].idxmax()]  # the first of equal rounds, as the runner
         value = row.get(metric)
         return int(row["round"]), _finite(value)
-    block = run.summary.get(select)
+    if select == "val":  # summary.json's `selected`, when it was chosen by validation
+        block = run.summary.get("selected")
+        if not isinstance(block, dict) or block.get("by") != "val":
+            return None, None
+    else:
+        block = run.summary.get(_BLOCK.get(select, select))
     if not isinstance(block, dict):
         block = {}
     if metric in RUN_METRICS:

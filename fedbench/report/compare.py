@@ -28,8 +28,10 @@ from fedbench.report.collect import (
     RUN_METRICS,
     ReportError,
     format_value,
+    has_validation,
     hashable,
     is_accuracy,
+    on_validation,
     parse_value,
     same_value,
     selected,
@@ -37,7 +39,8 @@ from fedbench.report.collect import (
 )
 from fedbench.report.table import Cell, Table, when
 
-DEFAULT_BEST_BY = "personal.LSG"
+DEFAULT_BEST_BY = "personal.LSG"  # FedPG's criterion, on the test sets: without validation
+VAL_BEST_BY = "personal.V.avg"  # the criterion where every run has validation sets
 RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
 LEVEL = 0.95
@@ -61,6 +64,13 @@ def describe(metric: str) -> str:
 
 
 # --------------------------------------------------------------------------- best of a grid
+def default_best_by(runs: list) -> str:
+    """--best-of's criterion when --best-by is not given: the validation accuracy where
+    every finished run has validation sets, else FedPG's (L + S + G) / 3 (test sets)."""
+    done = [r for r in runs if not r.failed]
+    return VAL_BEST_BY if done and all(has_validation(r) for r in done) else DEFAULT_BEST_BY
+
+
 @dataclass(frozen=True)
 class BestOf:
     """In every cell, only the runs of the best value of `key` by the mean over seeds of
@@ -133,6 +143,12 @@ class BestOf:
             f"{{{', '.join(format_value(v) for v in grid)}}}: the one with the {sign} mean over "
             f"seeds of {describe(self.by)} at the {when(table.select)}; only its runs are "
             f"in the cell"
+            + (
+                ""
+                if on_validation(self.by)
+                else "; chosen on the test set, so OPTIMISTIC (runs with split.val_frac > 0 "
+                f"are chosen by {VAL_BEST_BY})"
+            )
         )
         if lines:
             unit = " in %" if k == 100 else ""

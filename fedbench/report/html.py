@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from fedbench.report.collect import RunDir, format_value, hashable, sort_key, varying_keys
-from fedbench.report.table import LEGEND, Table, grid
+from fedbench.report.table import Table, grid, legend_lines
 
 ERROR_FILE = "error.txt"  # fedbench.runner.ERROR_FILE (not imported: it needs torch)
 MAX_ERROR_CHARS = 2000  # of error.txt's first line shown
@@ -147,7 +147,7 @@ def table_html(table: Table) -> str:
         tr = '<tr class="group-start">' if start else "<tr>"
         out.append(tr + "".join(tds) + "</tr>")
     out += ["</tbody>", "</table>"]
-    notes = [LEGEND, *table.legend, *table.notes]
+    notes = [*legend_lines(table), *table.notes]
     out.append('<div class="notes">' + "\n".join(_e(n) for n in notes) + "</div>")
     return "\n".join(out)
 

@@ -27,7 +27,16 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from fedbench.report.collect import SETS, ReportError, RunDir, is_accuracy, selected, write_output
+from fedbench.report.collect import (
+    ACC_SETS,
+    SETS,
+    ReportError,
+    RunDir,
+    is_accuracy,
+    selected,
+    when_text,
+    write_output,
+)
 from fedbench.report.partition import write_partition_plots
 from fedbench.report.table import Table
 
@@ -216,14 +225,14 @@ def _client_values(run: RunDir, metric: str, select: str) -> np.ndarray:
 
 def _is_client_metric(metric: str | None) -> bool:
     parts = (metric or "").split(".")
-    return len(parts) == 3 and is_accuracy(metric) and parts[1] in SETS
+    return len(parts) == 3 and is_accuracy(metric) and parts[1] in ACC_SETS
 
 
 def _clients(table: Table) -> Figure | None:
     panels = _panels(table)
     if not panels or not any(_is_client_metric(_metric(table, i)) for i in range(len(table.rows))):
         return None
-    when = "last evaluation" if table.select == "final" else "best round"
+    when = when_text(table.select)
     fig, axes = _figure(
         panels, f"per-client accuracy at the {when} (dots: clients of all seeds; line: mean)"
     )

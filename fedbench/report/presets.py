@@ -24,13 +24,14 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from fedbench.report.collect import ReportError, RunDir, format_value, same_value
+from fedbench.report.collect import ReportError, RunDir, format_value, same_value, when_text
 from fedbench.report.table import (
     PaperNumber,
     Table,
     failed_notes,
     fill_cells,
     seeds_phrase,
+    tuning_notes,
     warn_pooled,
 )
 
@@ -116,7 +117,7 @@ class Preset:
             rows = [r for r in rows if any(k[0] == (r.label,) for k in groups)]
             cols = [c for c in cols if any(k[1] == (c.label,) for k in groups)]
         paper = {((m,), (c,), s): p for (m, c, s), p in self.paper_numbers().items()}
-        when = "best round" if select == "best" else "last evaluation"
+        when = when_text(select)
         table = Table(
             title=f"{self.title} [{self.name}] ({when}, accuracy in %",
             row_keys=["method"],
@@ -144,6 +145,7 @@ class Preset:
         table.notes += list(self.notes)
         table.notes += self.deviations(table.groups)
         table.notes += failed_notes(table)
+        table.notes += tuning_notes(table)
         if unmatched:
             table.notes += self.unmatched_note(unmatched)
         # a cell's runs may differ in what the paper fixes (deviations says how), not in

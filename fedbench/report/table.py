@@ -28,19 +28,22 @@ import pandas as pd
 
 from fedbench.report.collect import (
     ALIASES,
+    SELECT_RULES,
     ReportError,
     RunDir,
     format_value,
     hashable,
     is_accuracy,
+    select_rule,
     selected,
     sort_key,
     varying_keys,
+    when_text,
 )
 
 FORMATS = ("terminal", "markdown", "latex", "csv")
 MAX_DIGITS = 15  # decimals a table may print (float64 has ~16 significant digits)
-SELECT = ("final", "best")
+SELECT = SELECT_RULES  # val | last | best_test, and final / best (= last / best_test)
 MISSING, FAILED, NA = "—", "failed", "n/a"
 LEGEND = (
     f"{MISSING} no run; {FAILED}: every run of the cell stopped before writing summary.json "
@@ -289,6 +292,7 @@ def build(
     fill_cells(table)
     table.title += seeds_phrase(table)
     table.notes += failed_notes(table)
+    table.notes += tuning_notes(table)
     warn_pooled(table, rows + cols)
     return table
 
@@ -313,7 +317,25 @@ def title(metrics: list[str], select: str, scale: float) -> str:
 
 
 def when(select: str) -> str:
-    return "last evaluation" if select == "final" else "best round"
+    return when_text(select)
+
+
+def select_legend(select: str) -> list[str]:
+    """The legend line that says how the round was chosen, where it is not the last."""
+    rule = select_rule(select)
+    if rule == "best_test":
+        return [
+            "best round: the evaluation with the highest test L.avg of the model shown: "
+            "chosen on the test set, so OPTIMISTIC (--select val chooses by validation, "
+            "for runs with split.val_frac > 0)"
+        ]
+    if rule == "val":
+        return [
+            "validation-selected round: the evaluation with the highest V.avg of the model "
+            "shown (the clients' validation sets, carved from their training data: "
+            "split.val_frac); n/a for a run without validation sets"
+        ]
+    return []
 
 
 def seeds_phrase(table: Table) -> str:
@@ -339,6 +361,24 @@ def failed_notes(table: Table) -> list[str]:
         notes += [f"  {p}: {'; '.join(runs[p].problems)}" for p in unreadable[:20]]
         notes += ["  ..."] if len(unreadable) > 20 else []
     return notes
+
+
+def tuning_notes(table: Table) -> list[str]:
+    """A note when runs of the table were trials of a study (an Optuna sweep) that
+    maximized a test-set objective: their hyperparameters were tuned on test data."""
+    metrics: Counter = Counter()
+    for r in {str(r.path): r for r in table.runs()}.values():
+        obj = (r.summary or {}).get("objective")
+        if not r.failed and isinstance(obj, dict) and obj.get("tuning") and obj.get("on_test"):
+            metrics[str(obj.get("metric"))] += 1
+    if not metrics:
+        return []
+    what = ", ".join(f"{m} ({n} runs)" for m, n in sorted(metrics.items()))
+    return [
+        f"objective on the test set: {sum(metrics.values())} run(s) are trials of a study "
+        f"that maximized a test-set number ({what}): tuning on test data is optimistic "
+        "(split.val_frac > 0 tunes on validation)"
+    ]
 
 
 def warn_pooled(table: Table, keys: list[str], preset: bool = False) -> None:
@@ -435,8 +475,9 @@ def _columns(heads: list[tuple[str, str]], span: int):
     return pd.MultiIndex.from_tuples(heads) if span > 1 else [h[0] for h in heads]
 
 
-def _legend_lines(table: Table) -> list[str]:
-    return [LEGEND, *table.legend]
+def legend_lines(table: Table) -> list[str]:
+    """The legend under a table: the marks, how its round was chosen, what else it says."""
+    return [LEGEND, *select_legend(table.select), *table.legend]
 
 
 # --------------------------------------------------------------------------- formats
@@ -465,7 +506,7 @@ def to_terminal(table: Table) -> str:
             out.append("")
         out.append(line)
     out.append("")
-    out += [*_legend_lines(table), *table.notes]
+    out += [*legend_lines(table), *table.notes]
     return "\n".join(out) + "\n"
 
 
@@ -483,7 +524,7 @@ def to_markdown(table: Table) -> str:
     lines.append("| " + " | ".join(_md_escape(h) for h in header) + " |")
     lines.append("|" + "|".join(":---" if k < nlab else "---:" for k in range(len(header))) + "|")
     lines += ["| " + " | ".join(row) + " |" for row in df.itertuples(index=False)]
-    legend = _legend_lines(table)
+    legend = legend_lines(table)
     lines += ["", f"{legend[0]}.", *legend[1:], ""]
     lines += [f"  - {n.strip()}" if n.startswith("  ") else f"- {n}" for n in table.notes]
     return "\n".join(lines) + "\n"
@@ -541,7 +582,7 @@ def to_latex(table: Table) -> str:
             out.append("\\addlinespace")
         out.append(line)
     out += tex[mid + 1 + len(body) :]
-    out += [f"% {tex_escape(n)}" for n in [*_legend_lines(table), *table.notes]]
+    out += [f"% {tex_escape(n)}" for n in [*legend_lines(table), *table.notes]]
     return "\n".join(out) + "\n"
 
 
