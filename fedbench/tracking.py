@@ -253,7 +253,11 @@ class Sinks:
         self._each("log", step, numbers(row))
 
     def finish(self, summary: Mapping[str, Any]) -> None:
-        keep = {k: summary[k] for k in ("final", "best", "size", "wall_time_s") if k in summary}
+        keep = {
+            k: summary[k]
+            for k in ("final", "best", "selected", "size", "wall_time_s")
+            if k in summary
+        }
         self._each("finish", numbers(flatten(keep)))
 
     def close(self) -> None:

@@ -14,8 +14,10 @@ import pytest
 from conftest import CLI_BACKEND, compose, fmnist_available
 
 REPO = Path(__file__).resolve().parents[1]
-# This checkout's fedbench, whatever the environment's editable install points at.
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+# This checkout's fedbench, whatever the environment's editable install points at; then the
+# caller's PYTHONPATH (where a Hydra plugin the tests look for may be installed).
+PATH = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(PATH)}
 
 SMALL = [
     "clients=10",
