@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedbench.errors import FedbenchError
 from fedbench.paths import CONF_DIR  # noqa: E402 (after the stdlib imports above)
 
-GROUPS = ("data", "split", "model", "algo", "server_opt", "experiment", "paper")
+GROUPS = ("data", "split", "model", "algo", "server_opt", "experiment", "paper", "search")
 EXIT_BAD_INPUT = 2
 
 log = logging.getLogger("fedbench")
