@@ -380,7 +380,9 @@ def test_report_marks_best_on_test_and_test_objectives(tmp_path):
 
 
 # --------------------------------------------------------------------------- end to end
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+# this checkout's fedbench first, then what the caller's path adds (a plugin's folder)
+PATH = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(PATH)}
 SMALL = [
     "clients=10",
     "split.train_per_client=100",
@@ -482,3 +484,21 @@ def test_a_grid_sweep_does_not_warn(tmp_path):
     assert "objective on the test set" not in r.stdout + r.stderr
     objs = [json.loads(p.read_text())["objective"] for p in sweep.glob("*/summary.json")]
     assert len(objs) == 2 and not any(o["tuning"] for o in objs)
+
+
+@pytest.mark.slow
+@needs_fmnist
+def test_extended_run_selects_as_an_uninterrupted_one(tmp_path):
+    """The validation-selected round rides in the checkpoint: a run extended from 2 to 4
+    rounds (resume=true) ends with the summary of a 4-round run."""
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    args = [*SMALL, "split.val_frac=0.2", "checkpoint.every=1"]
+    for extra in (["rounds=4", f"hydra.run.dir={whole}"], ["rounds=2", f"hydra.run.dir={part}"],
+                  ["rounds=4", "resume=true", f"hydra.run.dir={part}"]):  # fmt: skip
+        r = _cli(*args, *extra, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (whole, part))
+    for key in ("final", "best", "selected", "objective"):
+        assert a[key] == b[key], key
+    ma, mb = (pd.read_csv(d / "metrics.csv").drop(columns="wall_time_s") for d in (whole, part))
+    pd.testing.assert_frame_equal(ma, mb)
