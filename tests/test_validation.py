@@ -502,3 +502,17 @@ def test_extended_run_selects_as_an_uninterrupted_one(tmp_path):
         assert a[key] == b[key], key
     ma, mb = (pd.read_csv(d / "metrics.csv").drop(columns="wall_time_s") for d in (whole, part))
     pd.testing.assert_frame_equal(ma, mb)
+
+
+@pytest.mark.quick
+def test_a_preset_notes_runs_that_hold_out_validation(tmp_path):
+    from fedbench.report import presets
+
+    preset = presets.get("diversifed_table1")
+    col, row = preset.columns[0], preset.rows[0]
+    rows = [{"round": 1, "personal.L.avg": 0.5, "personal.V.avg": 0.4, "global.L.avg": 0.5}]
+    run = _run(tmp_path, rows, {**col.match, "algo": row.algo, "split.val_frac": 0.1})
+    table, unmatched = preset.build([run])
+    assert not unmatched
+    assert any("hold out split.val_frac=0.1" in n for n in table.notes)
+    assert "best round" in table.title  # the preset's rule unless --select says otherwise

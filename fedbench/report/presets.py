@@ -24,7 +24,14 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from fedbench.report.collect import ReportError, RunDir, format_value, same_value, when_text
+from fedbench.report.collect import (
+    ReportError,
+    RunDir,
+    format_value,
+    has_validation,
+    same_value,
+    when_text,
+)
 from fedbench.report.table import (
     PaperNumber,
     Table,
@@ -146,6 +153,13 @@ class Preset:
         table.notes += self.deviations(table.groups)
         table.notes += failed_notes(table)
         table.notes += tuning_notes(table)
+        carved = sorted({r.get("split.val_frac") for r in table.runs() if has_validation(r)})
+        if carved:
+            table.notes.append(
+                f"runs hold out split.val_frac={', '.join(format_value(v) for v in carved)} of "
+                "their clients' training data as validation sets: they train on less than the "
+                "paper's protocol"
+            )
         if unmatched:
             table.notes += self.unmatched_note(unmatched)
         # a cell's runs may differ in what the paper fixes (deviations says how), not in
