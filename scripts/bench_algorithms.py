@@ -310,14 +310,15 @@ def pfedhn_steps(a, c: Ctx) -> float:
     return a.hp.inner_steps * c.B / (c.E * c.n)
 
 
-FROZEN = (
-    "frozen layers: the engine computes the whole gradient and masks the step, so a head "
-    "epoch with the body frozen pays a full backward (counted as its forward alone)"
-)
+FROZEN = "frozen layers: the engine computes the whole backward, then masks the step"
+TERMS = "loss terms: autograd over the clients' C x P parameters each step (memory-bound)"
+HYPERNET = "the hypernetwork's VJP and SGD step over all its H G entries per client (memory-bound)"
 
 ARITHMETIC: dict[str, Arith] = {
     "fedavg": Arith("1: E epochs, one forward + backward per sample per epoch (the unit)", _one),
-    "fedprox": Arith("1: FedAvg's passes; the proximal term is a vector op per step", _one),
+    "fedprox": Arith(
+        "1: FedAvg's passes; the proximal term is a vector op per step", _one, left_out=TERMS
+    ),
     "local": Arith("1: FedAvg's passes on each client's own model", _one),
     "fedper": Arith("1: FedAvg's passes; the personal layers change what is averaged", _one),
     "fedbn": Arith("1: FedAvg's passes; the BN layers stay local", _one),
@@ -327,13 +328,17 @@ ARITHMETIC: dict[str, Arith] = {
         "fine-tuning runs at evaluation (not timed)",
         _one,
     ),
-    "scaffold": Arith("1: the control-variate correction is a vector op per step", _one),
-    "feddyn": Arith("1: the linear and proximal terms are vector ops per step", _one),
+    "scaffold": Arith(
+        "1: the control-variate correction is a vector op per step", _one, left_out=TERMS
+    ),
+    "feddyn": Arith(
+        "1: the linear and proximal terms are vector ops per step", _one, left_out=TERMS
+    ),
     "fedamp": Arith(
-        "1: the proximal term to u_i", _one, left_out="server: N x N Gram of the models"
+        "1: the proximal term to u_i", _one, left_out=TERMS + "; server: N x N Gram of the models"
     ),
     "diversifed": Arith(
-        "1: the proximal term to z_i", _one, left_out="server: N x N Gram of the models"
+        "1: the proximal term to z_i", _one, left_out=TERMS + "; server: N x N Gram of the models"
     ),
     "fedcac": Arith("1: FedAvg's passes", _one, left_out="server: masks, C x C overlaps"),
     "fedmgda": Arith(
@@ -350,6 +355,7 @@ ARITHMETIC: dict[str, Arith] = {
         "1 + personal_epochs/E: E epochs of the global copy, then personal_epochs of theta_i "
         "(+ a proximal term)",
         lambda a, c, t: 1 + a.personal_epochs / c.E,
+        left_out=TERMS,
     ),
     "apfl": Arith(
         "2: per step a forward + backward of w and of theta = alpha v + (1 - alpha) w",
@@ -391,13 +397,13 @@ ARITHMETIC: dict[str, Arith] = {
         "per client one generate (2HG FLOPs: hidden H, G generated entries) and one VJP (6HG)",
         lambda a, c, t: pfedhn_steps(a, c) + 4 * hypernet_flops(a) / (c.E * c.n * c.pass_flops),
         approx=True,
-        left_out="the hypernetwork's SGD step over its H G entries per client (memory-bound)",
+        left_out=HYPERNET,
     ),
     "plgu_ghn": Arith(
         "S B/(E n) + 14 H G/(E n pass): pFedHN's passes and a second VJP at phi + eps (LWSAM)",
         lambda a, c, t: pfedhn_steps(a, c) + 7 * hypernet_flops(a) / (c.E * c.n * c.pass_flops),
         approx=True,
-        left_out="the hypernetwork's SGD step over its H G entries per client (memory-bound)",
+        left_out=HYPERNET,
     ),
     "fedrep": Arith(
         "(head_epochs f + body_epochs)/E: head epochs (10) with the body frozen (a forward; "
@@ -450,7 +456,7 @@ ARITHMETIC: dict[str, Arith] = {
         lambda a, c, t: a.hp.components * (1 + c.f / c.E),
         left_out=(
             "the engine's objective recomputes q per batch: M frozen forwards in each of the M "
-            "components' steps (+M^2 f, 3 passes at M = 3)"
+            "components' steps (+M^2 f: 9 forwards at M = 3)"
         ),
     ),
     "fedfomo": Arith(
@@ -483,7 +489,7 @@ ARITHMETIC: dict[str, Arith] = {
     "fedslr": Arith(
         "1 + fusion_epochs/E: Phase I (FedDyn's local problem), then Phase II's epochs on p_i",
         lambda a, c, t: 1 + a.hp.fusion_epochs / c.E,
-        left_out="server: the per-layer SVD of the nuclear prox",
+        left_out=TERMS + "; server: the per-layer SVD of the nuclear prox",
     ),
     "fedspa": Arith(
         "1 + B/(E n): masked training, then one batch's gradient for prune-and-grow",
@@ -736,27 +742,79 @@ def machine() -> str:
     return f"{cpu}, {platform.system()} {platform.release()}"
 
 
-def header(args, table, ref_times, ctxs, ref_backend, ref_reasons, wall: float) -> str:
+def header(raw: dict) -> str:
     """The run's circumstances: machine, torch, threads, date, rounds, each setting's FedAvg."""
-    dev = torch.device(args.device)
-    gpu = f", {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else ""
+    a = raw["args"]
     lines = [
-        f"Machine: {machine()}{gpu}; torch {torch.__version__}; {torch.get_num_threads()} "
-        f"CPU thread(s) for FedAvg and every algorithm; device {args.device}; "
-        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; the whole benchmark took "
-        f"{wall / 60:.1f} min.",
-        f"Rounds: {args.warmup} warm-up, then up to {args.rounds} timed, fewer past a budget of "
-        f"{args.budget:g} FedAvg rounds; each timed round between two FedAvg rounds; medians.",
+        f"Machine: {raw['machine']}; torch {raw['torch']}; {raw['threads']} CPU thread(s) for "
+        f"FedAvg and every algorithm; device {raw['device']}; {raw['date']}; the whole "
+        f"benchmark took {raw['wall_s'] / 60:.1f} min.",
+        f"Rounds: {a['warmup']} warm-up, then up to {a['rounds']} timed, fewer past a budget of "
+        f"{a['budget']:g} FedAvg rounds; each timed round between two FedAvg rounds; medians.",
     ]
-    for s in args.settings:
-        c = ctxs[s]
-        why = "; ".join(ref_reasons.get(s, [])) or "-"
+    for s in a["settings"]:
+        c, backend = raw["ctx"][s], raw["fedavg_backend"][s]
+        why = "; ".join(raw["fedavg_reasons"][s]) or "-"
         lines.append(
-            f"{s}: {table[s].title}. FedAvg {statistics.median(ref_times[s]):.3f} s/round "
-            f"(median of all its rounds here), backend {ref_backend[s]} ({why}); "
-            f"{c.pass_flops / 1e6:.2f} MFLOP forward + backward per sample, f = {c.f:.2f}."
+            f"{s}: {raw['titles'][s]}. FedAvg {statistics.median(raw['fedavg_times'][s]):.3f} "
+            f"s/round (median of its {len(raw['fedavg_times'][s])} rounds after warm-up), backend "
+            f"{backend} ({why}); {c['pass_flops'] / 1e6:.2f} MFLOP forward + backward per "
+            f"sample, f = {c['f']:.2f}."
         )
     return "\n\n".join(lines)
+
+
+def to_raw(args, table, results, ref, wall: float) -> dict:
+    """Everything measured, as JSON: the tables are rendered from it (`render`)."""
+    dev = torch.device(args.device)
+    gpu = f", {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else ""
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": args.device,
+        "machine": machine() + gpu,
+        "date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+        "wall_s": wall,
+        "args": dict(vars(args)),
+        "titles": {s: table[s].title for s in args.settings},
+        **ref,
+        "results": [
+            {
+                **{k: v for k, v in vars(m).items() if k != "trace"},
+                "trace": {**vars(m.trace), "backends": dict(m.trace.backends)},
+            }
+            for per in results.values()
+            for m in per.values()
+        ],
+    }
+
+
+def render(raw: dict) -> tuple[str, list[dict[str, str]]]:
+    """(the markdown: circumstances, timings, arithmetic; the timings' rows) of a raw.json."""
+    settings = raw["args"]["settings"]
+    fields = set(Measurement.__dataclass_fields__)
+    results: dict[str, dict[str, Measurement]] = {a: {} for a in raw["args"]["algos"]}
+    for r in raw["results"]:
+        t = r["trace"]
+        trace = Trace(t["rounds"], Counter(t["backends"]), t["own_steps"], t["loss_passes"])
+        m = Measurement(**{k: v for k, v in r.items() if k in fields and k != "trace"})
+        m.trace = trace
+        results[m.algo][m.setting] = m
+    main_rows = rows(results, settings, raw["fedavg_backend"])
+    arith_rows = arithmetic_table(results, settings)
+    text = "\n\n".join([header(raw), markdown(main_rows), markdown(arith_rows)]) + "\n"
+    return text, main_rows
+
+
+def write(raw: dict, out: Path) -> str:
+    """algorithms.md and algorithms.csv in `out`, rendered from `raw`; returns the markdown."""
+    text, main_rows = render(raw)
+    (out / "algorithms.md").write_text(text)
+    with open(out / "algorithms.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(main_rows[0]))
+        w.writeheader()
+        w.writerows(main_rows)
+    return text
 
 
 # ---------------------------------------------------------------------------- main
@@ -779,6 +837,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: as set)")
     ap.add_argument("--quick", action="store_true", help="tiny settings: a smoke test")
     ap.add_argument("--out", help="output folder (default: a new temporary directory)")
+    ap.add_argument("--render", metavar="RAW_JSON", help="only render the tables of a raw.json")
     args = ap.parse_args(argv)
     names = ALGORITHMS.names()
     args.algos = names if args.algos == "all" else [a.strip() for a in args.algos.split(",")]
@@ -791,6 +850,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"unknown setting(s) {', '.join(bad) or '(none)'}; valid: mlp, cnn")
     if args.rounds < 1 or args.warmup < 0 or args.budget <= 0 or args.threads < 0:
         ap.error("--rounds >= 1, --warmup >= 0, --budget > 0 and --threads >= 0")
+    if args.render and not Path(args.render).is_file():
+        ap.error(f"--render {args.render}: no such file")
+    if args.render:
+        return args
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: CUDA is not available here")
     if args.device != "cpu" and not args.device.startswith("cuda"):
@@ -800,6 +863,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse(argv)
+    if args.render:  # the tables again from a raw.json (e.g. after editing ARITHMETIC's notes)
+        raw = json.loads(Path(args.render).read_text())
+        out = Path(args.out) if args.out else Path(args.render).parent
+        out.mkdir(parents=True, exist_ok=True)
+        print(write(raw, out))
+        return out
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fedbench-algos-"))
@@ -807,22 +876,24 @@ def main(argv: list[str] | None = None) -> Path:
     table = QUICK if args.quick else SETTINGS
     start = time.perf_counter()
     results: dict[str, dict[str, Measurement]] = {a: {} for a in args.algos}
-    ref_backend, ref_reasons, ref_times, ctxs = {}, {}, {}, {}
+    ref: dict[str, dict] = {"fedavg_backend": {}, "fedavg_reasons": {}, "fedavg_times": {}}
+    ref["ctx"] = {}
     with tempfile.TemporaryDirectory() as tmp, Probes() as probes:
         for s in args.settings:
             setting = table[s]
             reasons = probes.reset_reasons()
-            ref = Reference(build(setting, "fedavg", args.device, Path(tmp) / "reference"))
+            fedavg = Reference(build(setting, "fedavg", args.device, Path(tmp) / "reference"))
             trace = Trace()
             for _ in range(args.warmup + 3):  # warm, then rounds for `typical`
                 with probes.recording(trace):
-                    ref.round()
-            ref_backend[s] = trace.backend()
-            ref_reasons[s] = sorted(reasons.get(ref_backend[s], ()))
-            ctxs[s] = model_ctx(ref.run, setting)
-            print(f"{s}: {setting.title}; FedAvg {ref.typical():.3f} s/round", file=sys.stderr)
+                    fedavg.round()
+            backend = ref["fedavg_backend"][s] = trace.backend()
+            ref["fedavg_reasons"][s] = sorted(reasons.get(backend, ()))
+            ctx = model_ctx(fedavg.run, setting)
+            ref["ctx"][s] = vars(ctx)
+            print(f"{s}: {setting.title}; FedAvg {fedavg.typical():.3f} s/round", file=sys.stderr)
             for name in args.algos:
-                m = measure(name, setting, ref, ctxs[s], probes, args, Path(tmp))
+                m = measure(name, setting, fedavg, ctx, probes, args, Path(tmp))
                 results[name][s] = m
                 print(
                     f"  {s} {name}: {_num(m.seconds, '.3f')} s/round, ratio "
@@ -832,40 +903,12 @@ def main(argv: list[str] | None = None) -> Path:
                     file=sys.stderr,
                     flush=True,
                 )
-            ref_times[s] = ref.times[args.warmup :]
-            del ref
+            ref["fedavg_times"][s] = fedavg.times[args.warmup :]
+            del fedavg
             gc.collect()
-    wall = time.perf_counter() - start
-    main_rows = rows(results, args.settings, ref_backend)
-    arith_rows = arithmetic_table(results, args.settings)
-    head = header(args, table, ref_times, ctxs, ref_backend, ref_reasons, wall)
-    text = "\n\n".join([head, markdown(main_rows), markdown(arith_rows)]) + "\n"
-    (out / "algorithms.md").write_text(text)
-    with open(out / "algorithms.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(main_rows[0]))
-        w.writeheader()
-        w.writerows(main_rows)
-    raw = {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "device": args.device,
-        "machine": machine(),
-        "wall_s": wall,
-        "args": {k: v for k, v in vars(args).items()},
-        "fedavg_backend": ref_backend,
-        "ctx": {s: vars(c) for s, c in ctxs.items()},
-        "results": [
-            {
-                **{k: v for k, v in vars(m).items() if k != "trace"},
-                "trace": {**vars(m.trace), "backends": dict(m.trace.backends)},
-                "ratio": m.ratio,
-            }
-            for per in results.values()
-            for m in per.values()
-        ],
-    }
+    raw = to_raw(args, table, results, ref, time.perf_counter() - start)
     (out / "raw.json").write_text(json.dumps(raw, indent=1))
-    print(text)
+    print(write(raw, out))
     print(f"written: {out}/algorithms.md, algorithms.csv, raw.json", file=sys.stderr)
     return out
 

@@ -1,5 +1,6 @@
 """scripts/bench_algorithms.py: its table's shape, columns and arithmetic (never its timings:
-no timed tests), end to end in --quick mode; its bad input, one line and exit code 2."""
+no timed tests), end to end in --quick mode, and the same tables rendered again from its
+raw.json; its bad input, one line and exit code 2."""
 
 from __future__ import annotations
 
@@ -73,3 +74,8 @@ def test_quick_run_writes_the_table(tmp_path):
     text = (out / "algorithms.md").read_text()
     assert "torch " in text and "thread" in text
     assert text.count("| algorithm |") == 2  # the timings and the arithmetic's derivations
+    # the tables are a function of raw.json: --render writes them again, the same
+    again = tmp_path / "again"
+    _script().main(["--render", str(out / "raw.json"), "--out", str(again)])
+    assert (again / "algorithms.md").read_text() == text
+    assert (again / "algorithms.csv").read_text() == (out / "algorithms.csv").read_text()
