@@ -36,6 +36,10 @@ Output: the tables on stdout and `algorithms.md`, `algorithms.csv`, `raw.json` i
     python scripts/bench_algorithms.py --algos fedavg,ditto --settings mlp --rounds 5
     taskset -c 0 python scripts/bench_algorithms.py --threads 1 --out /tmp/bench
     python scripts/bench_algorithms.py --device cuda           # the same on a GPU
+    python scripts/bench_algorithms.py --render /tmp/bench/raw.json  # the tables again
+
+Torch runs one CPU thread by default (`--threads`), FedAvg and every algorithm alike, so
+that ratios compare like with like on a shared machine (pin the process with taskset too).
 """
 
 from __future__ import annotations
