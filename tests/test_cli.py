@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import CLI_BACKEND, compose, fmnist_available
+from conftest import CLI_BACKEND, compose, fmnist_available, needs
 
 REPO = Path(__file__).resolve().parents[1]
 # This checkout's fedbench, whatever the environment's editable install points at.
@@ -405,10 +405,7 @@ def test_objective_reads_the_summary():
 def test_optuna_study_tunes_the_learning_rate(tmp_path):
     """Hydra's Optuna sweeper drives fedbench: each trial returns its final personal L
     accuracy; the study's best is the best trial's."""
-    from fedbench.cli import plugin_installed
-
-    if not plugin_installed("hydra_plugins.hydra_optuna_sweeper"):
-        pytest.skip("pip install 'fedbench[optuna]'")
+    needs("hydra_plugins.hydra_optuna_sweeper", "optuna")
     sweep = tmp_path / "study"
     r = fedbench("-m", "hydra/sweeper=optuna_lr", "hydra.sweeper.n_trials=3", *SMALL,
                  f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # fmt: skip
@@ -430,10 +427,7 @@ def test_optuna_study_tunes_the_learning_rate(tmp_path):
 def test_joblib_launcher_runs_the_sweep_in_parallel_processes(tmp_path):
     """Hydra's joblib launcher (the joblib_local preset): two jobs in two worker processes,
     each its own run directory, and a failed job still listed by the sweep."""
-    from fedbench.cli import plugin_installed
-
-    if not plugin_installed("hydra_plugins.hydra_joblib_launcher"):
-        pytest.skip("pip install 'fedbench[joblib]'")
+    needs("hydra_plugins.hydra_joblib_launcher", "joblib")
     sweep = tmp_path / "sweep"
     r = fedbench("-m", "hydra/launcher=joblib_local", "hydra.launcher.n_jobs=2",
                  "algo=fedavg,local", *SMALL, CLI_BACKEND, f"hydra.sweep.dir={sweep}",
