@@ -75,6 +75,26 @@ def test_run_writes_everything(tmp_path):
 
 @pytest.mark.slow
 @needs_fmnist
+@pytest.mark.parametrize("mode", ["per_class", "per_client"])
+def test_a_huge_dirichlet_alpha_is_the_limit_without_a_warning(tmp_path, mode):
+    """split.alpha=1e308 (a "near IID" request at the float maximum): the alpha -> infinity
+    limit, every client holding every class; no numpy warning, exit 0."""
+    out = tmp_path / "run"
+    r = fedbench("split=dir", "split.alpha=1e308", f"split.dir_mode={mode}", *SMALL,
+                 "rounds=1", CLI_BACKEND, f"hydra.run.dir={out}", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "Warning" not in r.stderr and "overflow" not in r.stderr, r.stderr
+    assert "#train 100/100/100, #test 50/50/50, #classes 10/10/10" in r.stdout
+    if mode == "per_class":  # each class divided equally: 10 of each of the 10 classes
+        from fedbench.data.sources import load_dataset
+
+        labels = load_dataset("fmnist", None, download=False).y_train.numpy()
+        train = json.loads((out / "partition.json").read_text())["train"]
+        assert all(sorted(labels[idx].tolist()) == sorted(list(range(10)) * 10) for idx in train)
+
+
+@pytest.mark.slow
+@needs_fmnist
 def test_multirun_sweep(tmp_path):
     sweep = tmp_path / "sweep"
     r = fedbench(
