@@ -138,7 +138,6 @@ def test_help_lists_groups(tmp_path):
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, args, needle):
     if "cuda" in args[0]:
-        pytest.importorskip("torch")
         import torch
 
         if torch.cuda.is_available():
