@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import needs
+
 REPO = Path(__file__).resolve().parents[1]
 FIRST_PARTY = {"fedbench", "conftest"} | {
     p.stem for d in ("tests", "scripts") for p in (REPO / d).glob("*.py")
@@ -217,8 +219,9 @@ def _requires(dist: str, seen: set[str]) -> set[str]:
 
 
 def needs_calls() -> list[tuple[str, str, str]]:
-    """(module, extra, where) of every conftest.needs / missing call with literal arguments."""
-    out = []
+    """(module, extra, where) of every conftest.needs / missing call with literal arguments,
+    one per (module, extra), where: its first call."""
+    out: dict[tuple[str, str], str] = {}
     for p in files("tests"):
         for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
             if (
@@ -228,33 +231,36 @@ def needs_calls() -> list[tuple[str, str, str]]:
                 and len(node.args) == 2
                 and all(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in node.args)
             ):
-                where = f"{p.relative_to(REPO)}:{node.lineno}"
-                out.append((node.args[0].value, node.args[1].value, where))
-    return out
+                key = (node.args[0].value, node.args[1].value)
+                out.setdefault(key, f"{p.relative_to(REPO)}:{node.lineno}")
+    return [(module, extra, where) for (module, extra), where in sorted(out.items())]
+
+
+NEEDS = needs_calls()
 
 
 @pytest.mark.quick
-def test_needs_names_the_extra_that_brings_the_module():
-    calls = needs_calls()
-    assert len(calls) >= 5  # the checker sees them (tracking, launchers, sweeper)
+def test_the_needs_calls_are_found():
+    assert len(NEEDS) >= 5  # tracking's three readers, the launchers, the sweeper
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("module, extra, where", NEEDS, ids=[f"{m}-{e}" for m, e, _ in NEEDS])
+def test_needs_names_the_extra_that_brings_the_module(module, extra, where):
+    """Each needs(module, extra): the extra exists, the README's set-up does not bring the
+    module already, and the extra does (directly or through what it requires). Without the
+    module this skips like the tests that need it, so CI's second half checks it."""
     extras = pyproject()["optional-dependencies"]
-    ok = allowed(readme_extras())
-    bad = []
-    for module, extra, where in calls:
-        if extra not in extras:
-            bad.append(f"{where}: no extra {extra!r} in pyproject.toml")
-            continue
-        have = owners(module)
-        if have is None:
-            continue  # not installed here: CI's second half, with every extra, checks it
-        if have & ok:
-            bad.append(f"{where}: {module} comes with the README's set-up; import it")
-        closure: set[str] = set()
-        for r in extras[extra]:
-            _requires(req_name(r), closure)
-        if not have & closure:
-            bad.append(f"{where}: {module} ({sorted(have)}) does not come with [{extra}]")
-    assert not bad, "; ".join(bad)
+    assert extra in extras, f"{where}: no extra {extra!r} in pyproject.toml"
+    readme = allowed(readme_extras())
+    assert not provided(Import(module, where, False, True), readme), (
+        f"{where}: {module} comes with the README's set-up: import it"
+    )
+    needs(module, extra)
+    closure: set[str] = set()
+    for r in extras[extra]:
+        _requires(req_name(r), closure)
+    assert owners(module) & closure, f"{where}: {module} does not come with [{extra}]"
 
 
 @pytest.mark.quick
