@@ -44,7 +44,7 @@ def test_single_linkage_is_the_optimal_bipartition(M):
 def test_complete_linkage_matches_scipy():
     """`linkage=complete` (the authors' notebook: agglomerative, complete linkage on -alpha,
     two clusters) gives scipy's complete-linkage cut."""
-    hierarchy = pytest.importorskip("scipy.cluster.hierarchy")
+    from scipy.cluster import hierarchy
     from scipy.spatial.distance import squareform
 
     g = torch.Generator().manual_seed(0)

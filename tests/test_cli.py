@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import CLI_BACKEND, compose, fmnist_available
+from conftest import CLI_BACKEND, compose, fmnist_available, needs
 
 REPO = Path(__file__).resolve().parents[1]
 # This checkout's fedbench, whatever the environment's editable install points at; then the
@@ -77,6 +77,26 @@ def test_run_writes_everything(tmp_path):
 
 @pytest.mark.slow
 @needs_fmnist
+@pytest.mark.parametrize("mode", ["per_class", "per_client"])
+def test_a_huge_dirichlet_alpha_is_the_limit_without_a_warning(tmp_path, mode):
+    """split.alpha=1e308 (a "near IID" request at the float maximum): the alpha -> infinity
+    limit, every client holding every class; no numpy warning, exit 0."""
+    out = tmp_path / "run"
+    r = fedbench("split=dir", "split.alpha=1e308", f"split.dir_mode={mode}", *SMALL,
+                 "rounds=1", CLI_BACKEND, f"hydra.run.dir={out}", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "Warning" not in r.stderr and "overflow" not in r.stderr, r.stderr
+    assert "#train 100/100/100, #test 50/50/50, #classes 10/10/10" in r.stdout
+    if mode == "per_class":  # each class divided equally: 10 of each of the 10 classes
+        from fedbench.data.sources import load_dataset
+
+        labels = load_dataset("fmnist", None, download=False).y_train.numpy()
+        train = json.loads((out / "partition.json").read_text())["train"]
+        assert all(sorted(labels[idx].tolist()) == sorted(list(range(10)) * 10) for idx in train)
+
+
+@pytest.mark.slow
+@needs_fmnist
 def test_multirun_sweep(tmp_path):
     sweep = tmp_path / "sweep"
     r = fedbench(
@@ -120,7 +140,6 @@ def test_help_lists_groups(tmp_path):
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, args, needle):
     if "cuda" in args[0]:
-        pytest.importorskip("torch")
         import torch
 
         if torch.cuda.is_available():
@@ -407,10 +426,7 @@ def test_objective_reads_the_summary():
 def test_optuna_study_tunes_the_learning_rate(tmp_path):
     """Hydra's Optuna sweeper drives fedbench: each trial returns its final personal L
     accuracy; the study's best is the best trial's."""
-    from fedbench.cli import plugin_installed
-
-    if not plugin_installed("hydra_plugins.hydra_optuna_sweeper"):
-        pytest.skip("pip install 'fedbench[optuna]'")
+    needs("hydra_plugins.hydra_optuna_sweeper", "optuna")
     sweep = tmp_path / "study"
     r = fedbench("-m", "hydra/sweeper=optuna_lr", "hydra.sweeper.n_trials=3", *SMALL,
                  f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # fmt: skip
@@ -432,10 +448,7 @@ def test_optuna_study_tunes_the_learning_rate(tmp_path):
 def test_joblib_launcher_runs_the_sweep_in_parallel_processes(tmp_path):
     """Hydra's joblib launcher (the joblib_local preset): two jobs in two worker processes,
     each its own run directory, and a failed job still listed by the sweep."""
-    from fedbench.cli import plugin_installed
-
-    if not plugin_installed("hydra_plugins.hydra_joblib_launcher"):
-        pytest.skip("pip install 'fedbench[joblib]'")
+    needs("hydra_plugins.hydra_joblib_launcher", "joblib")
     sweep = tmp_path / "sweep"
     r = fedbench("-m", "hydra/launcher=joblib_local", "hydra.launcher.n_jobs=2",
                  "algo=fedavg,local", *SMALL, CLI_BACKEND, f"hydra.sweep.dir={sweep}",

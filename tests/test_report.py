@@ -25,7 +25,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import CLI_BACKEND, fmnist_available
+from conftest import CLI_BACKEND, fmnist_available, needs
 from fedbench.report import presets
 from fedbench.report.cli import main
 from fedbench.report.collect import find_runs, selected
@@ -743,17 +743,13 @@ def test_sweep_then_report(tmp_path):
 )
 def test_launcher_presets(name, base, plugin, extra):
     """The presets extend the plugin's own config; with the plugin installed they compose."""
-    from fedbench.cli import CONF_DIR, plugin_installed
+    from fedbench.cli import CONF_DIR
 
     cfg = yaml.safe_load((CONF_DIR / "hydra" / "launcher" / f"{name}.yaml").read_text())
     assert cfg["defaults"] == [base]
-    if not plugin_installed(plugin):
-        pytest.skip(f"{plugin} not installed (pip install 'fedbench[{extra}]')")
-    import importlib
-
     from hydra import compose, initialize_config_dir
 
-    importlib.import_module(f"{plugin}.config")  # the plugin stores its configs on import
+    needs(f"{plugin}.config", extra)  # the plugin stores its configs on import
 
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
         composed = compose("config", [f"hydra/launcher={name}"], return_hydra_config=True)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLI_BACKEND, fmnist_available
+from conftest import CLI_BACKEND, fmnist_available, missing
 
 REPO = Path(__file__).resolve().parents[1]
 # This checkout's fedbench, whatever the environment's editable install points at. sbatch
@@ -72,10 +72,8 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def _skip_reason() -> str | None:
-    from fedbench.cli import plugin_installed
-
-    if not plugin_installed("hydra_plugins.hydra_submitit_launcher"):
-        return "hydra-submitit-launcher not installed (pip install 'fedbench[slurm]')"
+    if reason := missing("hydra_plugins.hydra_submitit_launcher", "slurm"):
+        return reason
     if shutil.which("sinfo") is None:
         return "sinfo not on PATH: no SLURM here (scripts/slurm_cluster.sh starts one)"
     try:

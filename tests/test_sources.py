@@ -16,16 +16,28 @@ import torch
 from PIL import Image
 
 from fedbench.data import sources
-from fedbench.data.sources import CACHE_DIR, Dataset, dataset_names, load_dataset
+from fedbench.data.sources import Dataset, cache_file, dataset_names, load_dataset
 from fedbench.errors import ConfigError, DataError
 
 FMNIST_SYSTEM = Path("/usr/share/datasets/fashion-mnist")
 
 
 @pytest.fixture(autouse=True)
-def _no_system_dirs(monkeypatch):
-    # Tests see only what they write; the real-FMNIST test restores the system dir.
+def _no_system_dirs(monkeypatch, tmp_path_factory):
+    # Tests see only what they write; the real-FMNIST test restores the system dir. Each
+    # test has a cache folder of its own, outside its data root.
     monkeypatch.setattr(sources, "FMNIST_SYSTEM_DIRS", ())
+    monkeypatch.setenv("FEDBENCH_CACHE", str(tmp_path_factory.mktemp("cache")))
+    monkeypatch.setattr(sources, "_unusable", set())
+
+
+def tree(root: Path) -> dict[str, tuple]:
+    """Every path under ``root`` with its kind, size and mtime (what a write would change)."""
+    out = {}
+    for p in [root, *sorted(root.rglob("*"))]:
+        st = p.lstat()
+        out[str(p.relative_to(root))] = (p.is_dir(), st.st_size, st.st_mtime_ns)
+    return out
 
 
 # ------------------------------------------------------------------------ file writers
@@ -129,10 +141,10 @@ def replace_with_garbage(path: Path) -> None:
 
 
 def age(root: Path, seconds: float) -> None:
-    """Set the mtime of every raw file under ``root`` (not the cache) ``seconds`` in the past."""
+    """Set the mtime of every raw file under ``root`` ``seconds`` in the past."""
     when = time.time() - seconds
     for p in root.rglob("*"):
-        if p.is_file() and CACHE_DIR not in p.parts:
+        if p.is_file():
             os.utime(p, (when, when))
 
 
@@ -344,7 +356,7 @@ def test_cache_written_and_reused_without_raw_files(tmp_path, name):
     writers[name]()
     raw = set(tmp_path.iterdir())
     first = load_dataset(name, tmp_path, download=False)
-    cache = tmp_path / CACHE_DIR / f"{name}.pt"
+    cache = cache_file(name, tmp_path)
     assert cache.is_file()
     assert [p.name for p in cache.parent.iterdir()] == [cache.name]  # no temp files left
     for p in raw:  # delete the raw files: the second load must come from the cache
@@ -360,7 +372,7 @@ def test_cache_written_and_reused_without_raw_files(tmp_path, name):
 def test_stale_cache_is_ignored(tmp_path):
     write_fmnist(tmp_path, seed=0)
     first = load_dataset("fmnist", tmp_path, download=False)
-    cache = tmp_path / CACHE_DIR / "fmnist.pt"
+    cache = cache_file("fmnist", tmp_path)
     old = cache.stat().st_mtime - 100
     os.utime(cache, (old, old))  # raw files now newer than the cache
     xtr, *_ = write_fmnist(tmp_path, seed=1)
@@ -372,18 +384,93 @@ def test_stale_cache_is_ignored(tmp_path):
 @pytest.mark.quick
 def test_corrupt_cache_is_redecoded(tmp_path):
     xtr, *_ = write_fmnist(tmp_path)
-    (tmp_path / CACHE_DIR).mkdir()
-    (tmp_path / CACHE_DIR / "fmnist.pt").write_bytes(b"not a torch file")
+    cache = cache_file("fmnist", tmp_path)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_bytes(b"not a torch file")
     ds = load_dataset("fmnist", tmp_path, download=False)
     assert torch.equal(ds.x_train[:, 0], torch.from_numpy(xtr))
 
 
 @pytest.mark.quick
-def test_unwritable_cache_is_skipped_silently(tmp_path):
-    write_fmnist(tmp_path)
-    (tmp_path / CACHE_DIR).write_text("a file where the cache folder should be")
-    ds = load_dataset("fmnist", tmp_path, download=False)
-    assert ds.x_train.shape == (20, 1, 28, 28)
+@pytest.mark.parametrize("where", ["a file", "under a file", "no home"])
+def test_an_unusable_cache_folder_warns_once_and_the_load_goes_on(
+    tmp_path, monkeypatch, caplog, where
+):
+    xtr, *_ = write_fmnist(tmp_path / "data")
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the cache folder should be")
+    if where == "a file":
+        monkeypatch.setenv("FEDBENCH_CACHE", str(blocker))
+    elif where == "under a file":
+        monkeypatch.setenv("FEDBENCH_CACHE", str(blocker / "cache"))
+    else:  # no $FEDBENCH_CACHE, no $XDG_CACHE_HOME and no home folder: Path.expanduser says
+
+        def no_home():
+            raise RuntimeError("Could not determine home directory.")
+
+        monkeypatch.setattr(sources, "cache_dir", no_home)
+    with caplog.at_level("WARNING", logger="fedbench"):
+        for _ in range(2):
+            ds = load_dataset("fmnist", tmp_path / "data", download=False)
+            assert torch.equal(ds.x_train[:, 0], torch.from_numpy(xtr))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "going on without it" in warned[0], warned
+    assert "\n" not in warned[0] and "FEDBENCH_CACHE" in warned[0]
+    assert blocker.read_text() == "a file where the cache folder should be"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocker", "data"]
+
+
+@pytest.mark.quick
+def test_the_cache_lives_in_the_cache_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv("FEDBENCH_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert sources.cache_dir() == tmp_path / "xdg" / "fedbench" / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/xdg")  # not absolute: ignored (XDG spec)
+    assert sources.cache_dir() == Path.home() / ".cache" / "fedbench" / "cache"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert sources.cache_dir() == Path.home() / ".cache" / "fedbench" / "cache"
+    monkeypatch.setenv("FEDBENCH_CACHE", str(tmp_path / "mine"))
+    assert sources.cache_dir() == tmp_path / "mine"
+    assert cache_file("fmnist", tmp_path / "a").parent == tmp_path / "mine"
+    assert cache_file("fmnist", tmp_path / "a") != cache_file("fmnist", tmp_path / "b")
+    assert cache_file("fmnist", tmp_path / "a") != cache_file("cifar10", tmp_path / "a")
+
+
+@pytest.mark.quick
+def test_a_read_only_source_folder_gets_nothing_written_into_it(tmp_path):
+    src = tmp_path / "src"
+    xtr, *_ = write_fmnist(src)
+    before = tree(src)
+    modes = {p: p.stat().st_mode for p in [src, *src.rglob("*")]}
+    for p in modes:
+        p.chmod(0o555 if p.is_dir() else 0o444)
+    try:
+        for _ in range(2):  # the first load decodes and caches, the second reads the cache
+            ds = load_dataset("fmnist", src, download=False)
+            assert torch.equal(ds.x_train[:, 0], torch.from_numpy(xtr))
+    finally:
+        for p, mode in modes.items():
+            p.chmod(mode)
+    assert tree(src) == before  # as root the modes stop nothing: the loader must not write
+    assert cache_file("fmnist", src).is_file()
+
+
+@pytest.mark.quick
+def test_two_data_roots_never_share_a_cache_entry(tmp_path):
+    """Same dataset, same file names and sizes, other content: each root its own entry, also
+    once the raw files are gone (a cache then stands in for its own root's files only)."""
+    xa, *_ = write_fmnist(tmp_path / "a", seed=0)
+    xb, *_ = write_fmnist(tmp_path / "b", seed=1)
+    for root, x in (("a", xa), ("b", xb), ("a", xa)):
+        ds = load_dataset("fmnist", tmp_path / root, download=False)
+        assert torch.equal(ds.x_train[:, 0], torch.from_numpy(x))
+    assert cache_file("fmnist", tmp_path / "a") != cache_file("fmnist", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b")
+    (tmp_path / "b").mkdir()
+    ds = load_dataset("fmnist", tmp_path / "b", download=False)
+    assert torch.equal(ds.x_train[:, 0], torch.from_numpy(xb))
+    with pytest.raises(DataError):
+        load_dataset("fmnist", tmp_path / "c", download=False)
 
 
 @pytest.mark.quick
@@ -463,11 +550,19 @@ def test_synthetic_params_and_validation():
 @pytest.mark.skipif(not FMNIST_SYSTEM.is_dir(), reason="dataset-fashion-mnist not installed")
 def test_real_fmnist_from_debian_package(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "FMNIST_SYSTEM_DIRS", (FMNIST_SYSTEM,))
+    package = tree(FMNIST_SYSTEM)
     ds = load_dataset("fmnist", tmp_path, download=False)
     assert ds.x_train.shape == (60000, 1, 28, 28) and ds.x_test.shape == (10000, 1, 28, 28)
     assert ds.y_train.bincount().tolist() == [6000] * 10
     assert ds.y_test.bincount().tolist() == [1000] * 10
-    assert (tmp_path / CACHE_DIR / "fmnist.pt").is_file()  # cached under root, not /usr/share
+    assert cache_file("fmnist", tmp_path).is_file()  # in the cache folder, not /usr/share
+    assert tree(FMNIST_SYSTEM) == package and list(tmp_path.iterdir()) == []
+    # the package's folder as the data root: still nothing written into it
+    assert (
+        load_dataset("fmnist", FMNIST_SYSTEM, download=False).y_test.bincount().tolist()
+        == [1000] * 10
+    )
+    assert tree(FMNIST_SYSTEM) == package and cache_file("fmnist", FMNIST_SYSTEM).is_file()
 
 
 # ------------------------------------------------- damaged files: one line, naming the file
@@ -727,7 +822,7 @@ def _flip_in_tensor_data(cache: Path, pixels: bytes) -> None:
 def test_damaged_cache_is_rebuilt_with_a_warning(tmp_path, monkeypatch, caplog, damage):
     xtr, *_ = write_fmnist(tmp_path)
     load_dataset("fmnist", tmp_path, download=False)
-    cache = tmp_path / CACHE_DIR / "fmnist.pt"
+    cache = cache_file("fmnist", tmp_path)
     if damage == "truncate":
         truncate(cache)
     elif damage == "garbage":
@@ -751,9 +846,10 @@ def test_damaged_cache_is_rebuilt_with_a_warning(tmp_path, monkeypatch, caplog, 
 @pytest.mark.quick
 def test_cache_of_an_older_format_is_rebuilt(tmp_path):
     xtr, *_ = write_fmnist(tmp_path)
-    (tmp_path / CACHE_DIR).mkdir()
+    cache = cache_file("fmnist", tmp_path)
+    cache.parent.mkdir(parents=True, exist_ok=True)
     wrong = {k: torch.zeros(1, dtype=torch.uint8) for k in sources._SPLITS}
-    torch.save({"format": 1, "tensors": wrong}, tmp_path / CACHE_DIR / "fmnist.pt")
+    torch.save({"format": 1, "tensors": wrong}, cache)
     ds = load_dataset("fmnist", tmp_path, download=False)
     assert torch.equal(ds.x_train[:, 0], torch.from_numpy(xtr))
 

@@ -160,6 +160,58 @@ def test_dir_per_client_prior():
         SPLITS.get("dir")(Y10, 4, rng(), dir_mode="per_client", dir_prior="flat")
 
 
+@pytest.mark.parametrize("alpha", [1e100, 1e200, 1e308])
+@pytest.mark.parametrize(
+    "mode, prior", [("per_class", "shares"), ("per_client", "shares"), ("per_client", "ones")]
+)
+def test_dir_alpha_above_the_limit_is_the_mean_without_a_warning(alpha, mode, prior):
+    """alpha -> infinity: per_class divides every class equally (to one sample); per_client
+    gives every client the prior's mean as its class mix (shares 1/2, 1/4, 1/4; ones: thirds),
+    from which it draws its samples (a multinomial, as below the limit)."""
+    import warnings
+
+    y_skew = np.repeat(np.arange(3), [1200, 600, 600])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's overflow / invalid-cast warnings fail it
+        parts = SPLITS.get("dir")(
+            y_skew, 20, rng(), alpha=alpha, dir_mode=mode, dir_prior=prior, train_per_client=60
+        )
+    check_parts(parts, len(y_skew), 20)
+    cc = class_counts(y_skew, parts, 3)
+    if mode == "per_class":  # 60, 30, 30 each, capped to 60 samples: 30, 15, 15
+        assert cc.tolist() == [[30, 15, 15]] * 20
+    else:  # 1200 samples by the mix: within 4 standard deviations (at most 20) of the mean
+        want = [600, 300, 300] if prior == "shares" else [400, 400, 400]
+        assert (cc.sum(axis=1) == 60).all() and (np.abs(cc.sum(axis=0) - want) <= 80).all(), cc
+    # no draw: another seed divides the classes the same way (which samples still differ)
+    again = SPLITS.get("dir")(
+        y_skew, 20, rng(1), alpha=alpha, dir_mode=mode, dir_prior=prior, train_per_client=60
+    )
+    if mode == "per_class":
+        assert (class_counts(y_skew, again, 3) == cc).all()
+
+
+def test_dir_alpha_below_the_limit_draws_as_before():
+    """Below ALPHA_LIMIT the split draws from numpy as it always did (a run's partition
+    for a given seed does not move), and a huge alpha already gives near-equal shares."""
+    from fedbench.data.splits import ALPHA_LIMIT
+
+    a = SPLITS.get("dir")(Y10, 20, rng(), alpha=1e99, min_samples=1)
+    g = rng()
+    props = g.dirichlet(np.full(20, 1e99), size=10)  # the first draw is the split's
+    cuts = np.floor(np.cumsum(props, axis=1) * 600).astype(np.int64)
+    cuts[:, -1] = 600
+    assert (class_counts(Y10, a, 10) == np.diff(cuts, axis=1, prepend=0).T).all()
+    assert (class_counts(Y10, a, 10) >= 29).all() and ALPHA_LIMIT == 1e100
+
+
+def test_dir_per_class_limit_below_min_samples_names_the_limit():
+    with pytest.raises(SplitError, match="even an equal division") as e:
+        # 2 samples of each class for 3 clients: 0, 1, 1 each, so client 0 holds none
+        SPLITS.get("dir")(np.repeat(np.arange(3), 2), 3, rng(), alpha=1e300, min_samples=2)
+    assert "raise alpha" not in str(e.value) and "\n" not in str(e.value)
+
+
 def test_practical_groups():
     tpc = 100
     parts = SPLITS.get("practical")(Y10, 20, rng(), train_per_client=tpc)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLI_BACKEND, fmnist_available
+from conftest import CLI_BACKEND, fmnist_available, needs
 
 REPO = Path(__file__).resolve().parents[1]
 # This checkout's fedbench and the environment's console scripts (fedbench, fedbench-status).
@@ -146,10 +146,7 @@ def _metrics(cell: Path) -> list[str]:
 @needs_fmnist
 @pytest.mark.xdist_group("table")  # one worker: the reference table is run once
 def test_table_under_the_joblib_launcher_resumes_the_same_way(tmp_path, reference):
-    from fedbench.cli import plugin_installed
-
-    if not plugin_installed("hydra_plugins.hydra_joblib_launcher"):
-        pytest.skip("pip install 'fedbench[joblib]'")
+    needs("hydra_plugins.hydra_joblib_launcher", "joblib")
     joblib = ("EXTRA", TINY["EXTRA"] + " hydra/launcher=joblib_local hydra.launcher.n_jobs=2")
     out = tmp_path / "cut"
     kill_when(table(out, joblib), lambda: any((c / "checkpoint.pt").exists() for c in cells(out)))

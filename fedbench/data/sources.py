@@ -2,11 +2,13 @@
 
 Each loader reads its dataset's own on-disk format directly (IDX, CIFAR pickles, a JPEG
 folder, an npz); torchvision / medmnist are used only to download missing files. Decoded
-image datasets are cached as ``<root>/.fedbench-cache/<name>.pt`` so later runs skip the
-decode; the cache remembers what the raw files held (sizes and content hashes) and is rebuilt
-when they change, whatever their timestamps say. A missing, truncated or corrupt dataset file
-is a one-line ``DataError`` naming the file and how to get it again, never a traceback from
-deep inside a decoder or a download library; a corrupt cache is only a warning (it is rebuilt).
+image datasets are cached in the user's cache folder (``cache_dir()``), one file per dataset
+and data root, so later runs skip the decode; the cache remembers what the raw files held
+(sizes and content hashes) and is rebuilt when they change, whatever their timestamps say.
+Nothing is ever written beside the raw files (they may be a system package's). A missing,
+truncated or corrupt dataset file is a one-line ``DataError`` naming the file and how to get
+it again, never a traceback from deep inside a decoder or a download library; a corrupt cache
+is only a warning (it is rebuilt).
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ FMNIST_FILES = (
     "t10k-labels-idx1-ubyte",
 )
 TINYIMAGENET_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
-CACHE_DIR = ".fedbench-cache"
-_CACHE_FORMAT = 2  # bump when the cache's layout changes (2: source fingerprints, checksums)
+CACHE_ENV = "FEDBENCH_CACHE"
+_CACHE_FORMAT = 3  # bump when the cache's layout changes (2: fingerprints, checksums; 3: root)
 _SPLITS = ("x_train", "y_train", "x_test", "y_test")
 # A source whose mtime is this close to the moment it was fingerprinted (or in the future)
 # may still be written within the same timestamp tick without its size changing (Git's
@@ -208,7 +210,7 @@ def _check_labels(path: Path, y: np.ndarray | torch.Tensor, num_classes: int, fi
 
 # ------------------------------------------------------------------------------ cache
 #
-# ``<root>/.fedbench-cache/<name>.pt`` holds the decoded tensors, a CRC-32 of each (torch.load
+# ``cache_file(name, root)`` holds the decoded tensors, a CRC-32 of each (torch.load
 # checks no checksum: a flipped byte would go unnoticed) and a fingerprint of the raw sources
 # it was decoded from: per source its path, a cheap stamp and a SHA-256 of its content. A
 # file's stamp is (size, mtime_ns); a folder's (TinyImageNet's image folders) is its file
@@ -218,6 +220,48 @@ def _check_labels(path: Path, y: np.ndarray | torch.Tensor, num_classes: int, fi
 # keep the source's) is re-hashed, and the cache is rebuilt if the content differs, or
 # kept with the new stamps if not. What this cannot see: a file (or an image in a folder)
 # replaced by one of the same name and size carrying exactly the same mtime_ns.
+#
+# The cache lives in the user's cache folder, never beside the raw files: a data root may be
+# read-only or a system package's (/usr/share/datasets/fashion-mnist, where a root user's run
+# would otherwise leave files dpkg does not know). Its file is named by the dataset and a
+# digest of the data root's absolute path, and records that path, so two data roots never
+# share an entry. A cache folder that cannot be created, read or written costs the decode,
+# never the run: one warning per folder, then the run goes on without the cache.
+
+_unusable: set[str] = set()  # cache folders already warned about
+
+
+def cache_dir() -> Path:
+    """``$FEDBENCH_CACHE`` if set, else ``$XDG_CACHE_HOME/fedbench/cache``, else
+    ``~/.cache/fedbench/cache``. Raises RuntimeError when no home folder can be found."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path("~/.cache").expanduser()
+    return base / "fedbench" / "cache"
+
+
+def cache_file(name: str, root: Path) -> Path:
+    """The cache of dataset ``name`` loaded from data root ``root``."""
+    key = hashlib.sha256(os.fsencode(_root_key(root))).hexdigest()[:16]
+    return cache_dir() / f"{name}-{key}.pt"
+
+
+def _root_key(root: Path) -> str:
+    return str(Path(os.path.abspath(root)))
+
+
+def _cache_unusable(where: object, e: BaseException) -> None:
+    key = str(where)
+    if key not in _unusable:
+        _unusable.add(key)
+        log.warning(
+            "dataset cache %s unusable (%s); going on without it (set $%s to another folder)",
+            where,
+            _one_line(_reason(e)),
+            CACHE_ENV,
+        )
 
 
 def _file_digest(path: Path, buf: bytearray | None = None) -> bytes:
@@ -300,15 +344,22 @@ def _crcs(tensors: Tensors) -> dict[str, int]:
     }
 
 
-def _read_cache(cache: Path, keys: Sequence[str]) -> dict | None:
-    """The cache's blob if it is a sound one of this format, else None, with a warning if
-    it is damaged: it is never the user's data, so it is rebuilt, never an error."""
-    if not cache.is_file():
+def _read_cache(cache: Path, keys: Sequence[str], root: Path) -> dict | None:
+    """The cache's blob if it is a sound one of this format for data root ``root``, else
+    None, with a warning if it is damaged: it is never the user's data, so it is rebuilt,
+    never an error."""
+    try:
+        if not cache.is_file():
+            return None
+    except OSError as e:  # a cache folder we may not search
+        _cache_unusable(cache.parent, e)
         return None
     try:
         blob = torch.load(cache, map_location="cpu", weights_only=True)
         if not isinstance(blob, dict) or blob.get("format") != _CACHE_FORMAT:
             log.info("%s is from another fedbench version; rebuilding it", cache)
+            return None
+        if blob.get("root") != _root_key(root):  # another data root's (a digest collision)
             return None
         t = blob["tensors"]
         if not set(keys) <= set(t) or not all(isinstance(v, torch.Tensor) for v in t.values()):
@@ -336,28 +387,34 @@ def _cached(
 
     ``raw=None`` means the raw files were not found: use any cache there is, or return None.
     """
-    cache = root / CACHE_DIR / f"{name}.pt"
-    blob = _read_cache(cache, keys)
+    try:
+        cache = cache_file(name, root)
+    except RuntimeError as e:  # no home folder to put a cache in
+        _cache_unusable("(no cache folder)", e)
+        cache = None
+    blob = _read_cache(cache, keys, root) if cache is not None else None
     if raw is None:
         return blob["tensors"] if blob is not None else None
     if blob is not None:
         fresh = _refresh(blob.get("sources"), raw)
         if fresh is not None:
             if fresh != blob["sources"]:  # same content, new stamps: no re-hash next time
-                _write_cache(cache, blob["tensors"], fresh)
+                _write_cache(cache, root, blob["tensors"], fresh)
             return blob["tensors"]
     sources = _fingerprint(raw, fix)
     tensors = decode()
-    _write_cache(cache, tensors, sources)
+    if cache is not None:
+        _write_cache(cache, root, tensors, sources)
     return tensors
 
 
-def _write_cache(cache: Path, tensors: Tensors, sources: list[dict]) -> None:
+def _write_cache(cache: Path, root: Path, tensors: Tensors, sources: list[dict]) -> None:
     # Atomic (temp file + os.replace) so a killed run or a parallel run never leaves a
-    # half-written cache; an unwritable root (e.g. /usr/share) just means no cache.
+    # half-written cache; an unusable cache folder just means no cache (one warning).
     tmp = None
     blob = {
         "format": _CACHE_FORMAT,
+        "root": _root_key(root),
         "sources": sources,
         "crc": _crcs(tensors),
         "tensors": tensors,
@@ -367,10 +424,10 @@ def _write_cache(cache: Path, tensors: Tensors, sources: list[dict]) -> None:
         fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.stem}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             torch.save(blob, f)
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a shared data root wants readable
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a shared cache wants readable
         os.replace(tmp, cache)
     except (OSError, RuntimeError) as e:  # torch reports some write failures as RuntimeError
-        log.debug("dataset cache %s not written: %s", cache, _reason(e))
+        _cache_unusable(cache.parent, e)
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
 

@@ -30,6 +30,12 @@ SPLITS: Registry[SplitFn] = Registry("split")
 log = logging.getLogger(__name__)
 
 _MAX_TRIES = 1000  # dir per_class redraws before giving up on min_samples
+# From this concentration on, `dir` uses the Dirichlet's mean instead of a draw: the limit
+# alpha -> infinity, and exact, not an approximation: a draw's relative spread is about
+# (alpha * share)^-1/2, at 1e100 some 1e-45 for any realistic share, far below float64's
+# 1e-16, so numpy's draw would be the mean too, up to rounding. And numpy cannot draw near
+# the float maximum (its gamma variates' sum overflows: zeros, NaN and warnings).
+ALPHA_LIMIT = 1e100
 # make_partition's keys, not the split's
 _TEST_KEYS = ("test_mode", "test_per_client", "train_frac", "val_frac")
 _ROWS = 20  # summary(): above this many clients show only the first and last rows
@@ -341,6 +347,8 @@ def dirichlet(
     paper writes it (sums to alpha: at alpha = 0.1 on 10 classes nearly every client holds
     one class); ``ones``, alpha on every class (Dir(alpha * 1), what DiversiFed's reported
     Separate accuracies fit, see conf/experiment/diversifed_table2_fmnist.yaml).
+    ``alpha`` >= ALPHA_LIMIT (1e100) is the limit alpha -> infinity: every class divided
+    equally among the clients (per_class), every client's mix the prior's mean (per_client).
     """
     y = _labels(labels)
     n = len(y)
@@ -360,13 +368,23 @@ def dirichlet(
                 f"{num_clients * min_samples} samples but there are {n}; use at most "
                 f"{n // num_clients}"
             )
+        limit = alpha >= ALPHA_LIMIT
         for _try in range(_MAX_TRIES):
-            props = rng.dirichlet(np.full(num_clients, alpha), size=len(sizes))  # (C, N)
+            if limit:  # every class divided equally: one deterministic "draw"
+                props = np.full((len(sizes), num_clients), 1.0 / num_clients)
+            else:
+                props = rng.dirichlet(np.full(num_clients, alpha), size=len(sizes))  # (C, N)
             cuts = np.floor(np.cumsum(props, axis=1) * sizes[:, None]).astype(np.int64)
             cuts[:, -1] = sizes  # float cumsum may stop short of 1
             counts = np.diff(cuts, axis=1, prepend=0).T  # (N, C)
             if counts.sum(axis=1).min() >= min_samples:
                 break
+            if limit:
+                raise SplitError(
+                    f"dir per_class: even an equal division of every class (alpha={alpha:g} "
+                    f">= {ALPHA_LIMIT:g} is the limit alpha -> infinity) leaves a client below "
+                    f"min_samples={min_samples}; lower min_samples or use fewer clients"
+                )
         else:
             raise SplitError(
                 f"dir per_class: no Dir(alpha={alpha}) draw in {_MAX_TRIES} gave all "
@@ -380,14 +398,18 @@ def dirichlet(
         tpc = n // num_clients if train_per_client is None else train_per_client
         _check_tpc(tpc, num_clients, n)
         present = np.flatnonzero(sizes)
-        if dir_prior == "shares":
-            conc = alpha * sizes[present] / n
-        elif dir_prior == "ones":
-            conc = np.full(present.size, float(alpha))
-        else:
+        if dir_prior not in ("shares", "ones"):
             raise ConfigError(f"split.dir_prior={dir_prior!r}; valid: shares, ones")
         mix = np.zeros((num_clients, len(sizes)))
-        mix[:, present] = rng.dirichlet(conc, size=num_clients)
+        if alpha >= ALPHA_LIMIT:  # the mean: p for Dir(alpha * p), uniform for Dir(alpha * 1)
+            uniform = np.full(present.size, 1.0 / present.size)
+            mix[:, present] = sizes[present] / n if dir_prior == "shares" else uniform
+        else:
+            if dir_prior == "shares":
+                conc = alpha * sizes[present] / n
+            else:
+                conc = np.full(present.size, float(alpha))
+            mix[:, present] = rng.dirichlet(conc, size=num_clients)
         avail = sizes.copy()
         counts = np.zeros((num_clients, len(sizes)), dtype=np.int64)
         for i in range(num_clients):
