@@ -364,7 +364,7 @@ def _plan_dirs(plan: Plan, cfg, overrides: list[str]) -> None:
     if resume:
         task = task_config(cfg)
         try:
-            check_resume(task, where)
+            check_resume(task, where, expect_run=True)
         except FedbenchError as e:
             raise BadInput(f"fedbench: {e}") from None
 
@@ -431,13 +431,13 @@ def _make_task(plan: Plan):
             ".hydra/hydra.yaml": OmegaConf.to_yaml(HydraConfig.instance().cfg),
             ".hydra/overrides.yaml": OmegaConf.to_yaml(hc.overrides.task),
         }
-        if cfg.resume == "auto":
-            from fedbench.runner import finished_run
+        if cfg.resume:
+            from fedbench.checkpoint import finished
 
-            done = finished_run(cfg, out)
-            if done is not None:  # resume=auto: a finished run is skipped, nothing written
-                print(f"fedbench: {out} already finished (round {done['rounds']}): skipped")
-                return objective(done, str(cfg.objective.metric), str(cfg.objective.at))
+            done = finished(cfg, out)
+            if done is not None:  # a finished run: nothing loaded, nothing written
+                print(f"fedbench: {done.line}")
+                return objective(done.summary, str(cfg.objective.metric), str(cfg.objective.at))
         started = False
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _terminated)  # a launcher's job never runs main()

@@ -62,10 +62,16 @@ class _Recording:
         return self._f.tell()
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> int:
+def atomic_write(
+    path: str | os.PathLike,
+    write: Callable[[IO[bytes]], Any],
+    before_replace: Callable[[], None] | None = None,
+) -> int:
     """Write `path` by `write(f)` into a temporary file beside it, then rename it into place;
     returns the bytes written. On any failure the temporary file is removed and `path` is
-    untouched; a failed write to the disk becomes WriteError (one line)."""
+    untouched; a failed write to the disk becomes WriteError (one line). `before_replace()`
+    runs once the new content is on disk, before the rename (a checkpoint announces its
+    digest there: fedbench/checkpoint.py)."""
     path = Path(path)
     tmp = None
     rec = None
@@ -79,6 +85,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> 
             f.flush()
             os.fsync(f.fileno())
             size = f.tell()
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, path)
         tmp = None
         return size

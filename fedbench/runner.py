@@ -12,7 +12,6 @@ way, save a checkpoint and raise `Interrupted`; a second one stops at once.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -31,9 +30,22 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 import fedbench
+from fedbench import checkpoint
 from fedbench.algorithms import ALGORITHMS
 from fedbench.algorithms.base import FLOAT_BYTES, RoundReport
 from fedbench.attack import Attack
+from fedbench.checkpoint import (  # noqa: F401 (CHECKPOINT ... finished_run: imported from here too)
+    ABSENT_MEANS,
+    CHECKPOINT,
+    RESUME_MAY_CHANGE,
+    CheckpointError,
+    check_data,
+    check_resume,
+    finished,
+    finished_run,
+    load_checkpoint,
+    resume_differences,
+)
 from fedbench.config import check_config
 from fedbench.data.federation import Federation
 from fedbench.data.sources import load_dataset
@@ -41,17 +53,16 @@ from fedbench.data.splits import eval_sets, make_partition
 from fedbench.engine import Engine
 from fedbench.errors import ConfigError, FedbenchError
 from fedbench.evaluation import SETS, VAL, better, evaluate, resolve_select, selected, summaries
-from fedbench.io import CsvAppender, atomic_write, atomic_write_json, atomic_write_text
+from fedbench.io import CsvAppender, atomic_write_json, atomic_write_text
 from fedbench.models import build_model
 from fedbench.provenance import provenance
 from fedbench.report.partition import partition_counts
-from fedbench.rundir import RunDir, holds_run
+from fedbench.rundir import RunDir
 from fedbench.tracking import Sinks
-from fedbench.trees import flat_items, plain
+from fedbench.trees import plain
 
 log = logging.getLogger("fedbench")
 
-CHECKPOINT = "checkpoint.pt"
 # A run that stopped on an error says why here (fedbench-report lists it); a run that then
 # finishes (resumed) removes it.
 ERROR_FILE = "error.txt"
@@ -169,142 +180,6 @@ def _log_file(path: Path) -> Iterator[None]:
         handler.close()
 
 
-# Keys a resumed run may change: how long it runs, how often it is evaluated and
-# checkpointed, where it computes and finds its files. Everything else decides the run's
-# numbers or a column's meaning (eval.s_frac makes the S sets, eval.tail top5/bottom5): a
-# resume that changes it stops. (`rounds` may grow: APPLE's L = l_frac * rounds and FedSpa's cosine
-# schedule follow it.)
-# Keys added to the config after runs were saved, with the value a run without them had: a
-# resume or resume=auto of such a run is not refused for the key's absence.
-ABSENT_MEANS = {
-    "server_opt.name": "none",
-    "server_opt.variant": "paper",  # Algorithm 2 as printed, all there was before the key
-    "server_opt.initial_accumulator": None,
-    "data.normalize": True,  # inputs were always normalized before the key
-    "split.val_frac": 0.0,  # no validation set before the key
-    "eval.select": "auto",  # = last without validation: the summary's `final`
-}
-
-RESUME_MAY_CHANGE = (
-    "rounds",
-    "eval.every",
-    "eval.batch_size",
-    "checkpoint",
-    "log",
-    "objective",
-    "device",
-    "engine",
-    "resume",
-    "data.root",
-    "data.download",
-)
-
-
-def resume_differences(saved: dict, now: dict) -> list[str]:
-    """'key (checkpoint -> now)' for every key outside RESUME_MAY_CHANGE that differs."""
-    a, b = flat_items(saved), flat_items(now)
-    missing = object()
-    out = []
-    for k in sorted(set(a) | set(b)):
-        if any(k == p or k.startswith(p + ".") for p in RESUME_MAY_CHANGE):
-            continue
-        va, vb = a.get(k, missing), b.get(k, missing)
-        if va is missing and ABSENT_MEANS.get(k, missing) == vb:
-            continue  # a key added since the run was saved, at the value that changes nothing
-        if va != vb:
-            show = lambda v: "absent" if v is missing else repr(v)  # noqa: E731
-            out.append(f"{k} ({show(va)} -> {show(vb)})")
-    return out
-
-
-class CheckpointError(FedbenchError):
-    """checkpoint.pt cannot be read (cut off, corrupted, or not fedbench's)."""
-
-
-def load_checkpoint(
-    path: Path, map_location: str | torch.device = "cpu", *, mmap: bool = False
-) -> dict:
-    """The checkpoint's state, or CheckpointError (one line) when it cannot be read.
-    `mmap`: map the tensors instead of reading them (a check that only needs the config)."""
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
-        if not isinstance(state, dict) or "progress" not in state or "algo" not in state:
-            raise ValueError("not a fedbench checkpoint")
-        int(state["progress"]["next_round"])
-        return state
-    except Exception as e:  # noqa: BLE001 (torch/pickle/zip raise many kinds for one fault)
-        raise CheckpointError(
-            f"resume=true: {path} cannot be read ({type(e).__name__}: "
-            f"{' '.join(str(e).split())[:160]}); it was cut off or corrupted: restore it, or "
-            "start a new run directory"
-        ) from None
-
-
-def check_resume(cfg: DictConfig, out: str | Path) -> None:
-    """With resume=true: raise ConfigError (one line, before any file is written) unless the
-    run in `out` was started by this config, up to RESUME_MAY_CHANGE (the checkpoint's
-    config, or .hydra/config.yaml for a run killed before its first checkpoint), and `rounds`
-    is at least the rounds it has done."""
-    out = Path(out)
-    path = out / CHECKPOINT
-    if not path.exists():
-        if (out / "summary.json").exists():
-            raise ConfigError(
-                f"resume=true: {out} holds a finished run without {CHECKPOINT} "
-                "(checkpoint.every=0); start a new run directory"
-            )
-        saved_cfg = out / ".hydra" / "config.yaml"
-        if saved_cfg.is_file():
-            try:
-                saved = plain(OmegaConf.load(saved_cfg))
-            except Exception as e:  # noqa: BLE001 (a corrupt YAML: one line)
-                raise ConfigError(f"resume=true: {saved_cfg} cannot be read ({e})") from None
-            _refuse_differences(saved, cfg, saved_cfg)
-        elif holds_run(out):
-            raise ConfigError(
-                f"resume=true: {out} holds run files ({', '.join(holds_run(out))}) but no "
-                "checkpoint or config to check them against; start a new run directory"
-            )
-        return
-    state = load_checkpoint(path, mmap=True)
-    saved = state.get("config")
-    if saved is None:
-        log.warning("%s has no saved config (an older fedbench): resuming unchecked", path)
-        return
-    _refuse_differences(saved, cfg, path)
-    done = int(state["progress"]["next_round"])
-    if int(cfg.rounds) < done:
-        raise ConfigError(
-            f"resume=true: rounds={cfg.rounds} but {path} has {done} rounds done; "
-            f"rounds must be >= {done}"
-        )
-
-
-def finished_run(cfg: DictConfig, out: str | Path) -> dict | None:
-    """The summary of the run in `out` if it finished `cfg.rounds` rounds with this config
-    (up to RESUME_MAY_CHANGE, compared with its .hydra/config.yaml); else None. Reads two
-    small files: resume=auto skips a finished cell without loading any data."""
-    out = Path(out)
-    try:
-        summary = json.loads((out / "summary.json").read_text())
-        saved = plain(OmegaConf.load(out / ".hydra" / "config.yaml"))
-    except Exception:  # noqa: BLE001 (missing or unreadable: not a finished run)
-        return None
-    if summary.get("rounds") != int(cfg.rounds) or resume_differences(saved, plain(cfg)):
-        return None
-    return summary
-
-
-def _refuse_differences(saved: dict, cfg: DictConfig, source: Path) -> None:
-    diff = resume_differences(saved, plain(cfg))
-    if diff:
-        raise ConfigError(
-            f"resume=true: the config differs from {source}'s in {', '.join(diff)}; resume "
-            f"with its values or start a new run directory (only "
-            f"{', '.join(RESUME_MAY_CHANGE)} may change)"
-        )
-
-
 class Run:
     """Everything a run is built from; `Run(cfg, out_dir).run()` is what the CLI calls."""
 
@@ -319,8 +194,7 @@ class Run:
         self.tuning = tuning
         check_config(cfg)
         algo_cls = ALGORITHMS.get(str(cfg.algo.name))
-        if cfg.resume:
-            check_resume(cfg, self.out)
+        saved = check_resume(cfg, self.out) if cfg.resume else None
         self.device = resolve_device(str(cfg.device))
         seed = int(cfg.seed)
         dcfg = plain(cfg.data)
@@ -331,7 +205,9 @@ class Run:
         normalize = bool(dcfg.pop("normalize", True))
         root = str(Path(root).expanduser()) if root else None
         data = load_dataset(name, root, download=download, **dcfg)
-        self.provenance = provenance(data.digest(), str(self.device))
+        digest = data.digest()
+        check_data(saved, digest)  # a resume trains on its run's data (still nothing written)
+        self.provenance = provenance(digest, str(self.device))
         scfg = plain(cfg.split)
         split = scfg.pop("name")
         n = int(cfg.clients)
@@ -381,6 +257,7 @@ class Run:
         self.honest = None if self.attack is None else self.attack.honest
         self._warned_collapse = False  # one warning per run when an attacked run diverges
         self._ckpt_logged = False  # the checkpoint's size is logged once
+        self._ckpt_digest: str | None = None  # SHA-256 of the checkpoint.pt on disk
         self.per_round = clients_per_round(cfg.participation, n)
         self.sampler = np.random.default_rng([seed, 7])
 
@@ -394,7 +271,12 @@ class Run:
     def run(self, hydra_files: dict[str, str] | None = None) -> dict:
         """Claim the run directory, train and evaluate, write the results; returns the
         summary. `hydra_files` ({relative path: text}, e.g. Hydra's `.hydra/hydra.yaml`)
-        are written once the directory is claimed; `.hydra/config.yaml` always is."""
+        are written once the directory is claimed; `.hydra/config.yaml` always is. A resume of
+        a finished run (`checkpoint.finished`) returns its summary and writes nothing."""
+        done = finished(self.cfg, self.out)
+        if done is not None:
+            log.info("%s", done.line)
+            return done.summary
         with RunDir.claim(self.out, resume=bool(self.cfg.resume)):
             files = {".hydra/config.yaml": OmegaConf.to_yaml(self.cfg), **(hydra_files or {})}
             for rel, text in files.items():
@@ -454,7 +336,7 @@ class Run:
             "clients_len": 0,
         }
         if cfg.resume and (self.out / CHECKPOINT).exists():
-            st = self._restore()
+            st = self._restore(rounds, every)
             st.setdefault("best_val", None)  # a checkpoint from before validation sets
         sinks.start(plain(cfg), self.out, bool(cfg.resume))
         metrics = _appender(self.out / "metrics.csv", st["metrics_csv"])
@@ -477,6 +359,12 @@ class Run:
                 comm["bytes_up"] += int(report.comm.bytes_up)
                 comm["bytes_down"] += int(report.comm.bytes_down)
                 if (t + 1) % every == 0 or t + 1 == rounds:
+                    if (t + 1) % every:  # only because the run ends here: an extension drops it
+                        st["pre_final"] = {
+                            "metrics_csv": _read_prefix(metrics.path, metrics.length),
+                            "clients_len": clients.length,
+                            **{k: st[k] for k in ("best", "best_val", "final", "size")},
+                        }
                     loss = self._check_loss(report.train_loss, t)
                     res = evaluate(self.algo, self.fed, tail, honest=self.honest)
                     summ = summaries(res)
@@ -563,58 +451,28 @@ class Run:
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, progress: dict, metrics: CsvAppender, clients: CsvAppender) -> None:
-        """Algorithm state, engine optimizer state, RNG states and the loop's progress,
-        streamed into place atomically (no second copy in memory)."""
+        """The run's state and the loop's progress, streamed into place atomically with its
+        digest (fedbench/checkpoint.py)."""
         progress["metrics_csv"] = _read_prefix(metrics.path, metrics.length)
         progress["clients_len"] = clients.length
-        state = {
-            "progress": progress,
-            "algo": self.algo.state_dict(),
-            "engine": self.engine.state_dict(),
-            "sampler": self.sampler.bit_generator.state,
-            "augment": self.fed.rng_state(),
-            # the attack's Gaussian stream (A1), so that a resumed run draws the same noise
-            "attack": None if self.attack is None else self.attack.rng_state(),
-            "version": fedbench.__version__,
-            "provenance": self.provenance,
-            "config": plain(self.cfg),  # resume=true checks the new config against it
-        }
-        size = atomic_write(self.out / CHECKPOINT, lambda f: torch.save(state, f))
+        state = checkpoint.run_state(self, progress)
+        size, self._ckpt_digest = checkpoint.save(
+            self.out / CHECKPOINT, state, previous=self._ckpt_digest
+        )
         if not self._ckpt_logged:
             self._ckpt_logged = True
             every = int(self.cfg.checkpoint.every)
             log.info("%s: %.1f MB (every %s rounds)", CHECKPOINT, size / 1e6, every or "no")
 
-    def _restore(self) -> dict:
-        """Load the checkpoint into the algorithm, engine and generators; cut metrics.csv and
-        clients.csv back to what it recorded. Returns the loop's progress."""
+    def _restore(self, rounds: int, every: int) -> dict:
+        """Load the verified checkpoint into the algorithm, engine and generators; cut
+        metrics.csv and clients.csv back to what it recorded. Returns the loop's progress."""
         path = self.out / CHECKPOINT
-        state = load_checkpoint(path, map_location=self.device)
+        state, self._ckpt_digest = checkpoint.load_verified(path, map_location=self.device)
+        checkpoint.restore_state(self, state)
         progress = _upgrade_progress(state["progress"])
-        self.algo.load_state_dict(state["algo"])
-        self.engine.load_state_dict(state["engine"])
-        self.sampler.bit_generator.state = state["sampler"]
-        self.fed.set_rng_state(state["augment"])
-        if self.attack is not None and state.get("attack") is not None:
-            self.attack.set_rng_state(state["attack"])
-        atomic_write(self.out / "metrics.csv", lambda f: f.write(progress["metrics_csv"]))
-        if "clients_csv_old" in progress:
-            old = progress.pop("clients_csv_old")
-            progress["clients_len"] = atomic_write(self.out / "clients.csv", lambda f: f.write(old))
-        cpath, want = self.out / "clients.csv", int(progress["clients_len"])
-        have = cpath.stat().st_size if cpath.exists() else 0
-        if have < want:
-            log.warning(
-                "clients.csv has %d bytes, the checkpoint recorded %d: per-client rows of "
-                "rounds up to %d are lost; the run appends from here",
-                have,
-                want,
-                progress["next_round"],
-            )
-            progress["clients_len"] = have
-        elif have > want:
-            with open(cpath, "r+b") as f:  # rows written after the checkpoint: made again
-                f.truncate(want)
+        progress = checkpoint.drop_final_only(progress, rounds, every)
+        checkpoint.cut_files(self.out, progress)
         log.info("resumed from %s at round %d", path, progress["next_round"])
         return progress
 

@@ -309,7 +309,9 @@ def test_corrupt_checkpoint_is_one_line(tmp_path, finished_copy):
     for broken in (data[: len(data) // 2], b"garbage" * 10, b""):
         (run / "checkpoint.pt").write_bytes(broken)
         before = snapshot(run)
-        assert "cannot be read" in one_line(resume(run, tmp_path))
+        # extended: the same rounds would be "already finished", loading nothing
+        r = fedbench(*FINISHED, "rounds=3", "resume=true", f"hydra.run.dir={run}", cwd=tmp_path)
+        assert "damaged" in one_line(r)
         assert snapshot(run) == before
 
 
