@@ -49,6 +49,24 @@ def rounds_done(run_dir: Path) -> list[tuple[int, float]]:
         return [(int(r["round"]), float(r["wall_time_s"])) for r in csv.DictReader(f)]
 
 
+def estimate(done: list[tuple[int, float]], process_s: float, target: int, finished: bool) -> dict:
+    """The time of `target` rounds from the rounds `done` ((round, wall_time_s), from the
+    round loop's start) in a process that ran `process_s` seconds (module docstring)."""
+    r, last = done[-1]
+    first = done[0][1]
+    per_round = (last - first) / (r - 1) if r > 1 else first
+    overhead = max(process_s - last, 0.0)
+    total = process_s if finished else overhead + first + (target - 1) * per_round
+    return {
+        "status": "measured" if finished else f"extrapolated from {r} rounds",
+        "rounds_done": r,
+        "first_round_s": round(first, 3),
+        "s_per_round": round(per_round, 4),
+        "overhead_s": round(overhead, 2),
+        "total_s": round(total, 1),
+    }
+
+
 def one_method(args, method: str, work: Path) -> dict:
     run_dir = work / method
     cmd = [
@@ -85,23 +103,8 @@ def one_method(args, method: str, work: Path) -> dict:
         tail = (work / f"{method}.log").read_text(errors="replace").strip().splitlines()[-3:]
         return {**row, "status": "no round finished", "log_tail": tail}
     target = int(args.rounds)
-    r, last = done[-1]
-    first = done[0][1]
-    per_round = (last - first) / (r - 1) if r > 1 else first
-    overhead = max(total - last, 0.0)
-    finished = not stopped and proc.returncode == 0 and r >= target
-    est = total if finished else overhead + first + (target - 1) * per_round
-    return {
-        **row,
-        "status": "measured" if finished else f"extrapolated from {r} rounds",
-        "rounds_done": r,
-        "first_round_s": round(first, 3),
-        "s_per_round": round(per_round, 4),
-        "overhead_s": round(overhead, 2),
-        "total_s": round(est, 1),
-        "per_round_target_s": round(180.0 / target, 4),  # the issue's 3 minutes per method
-        "killed": killed,
-    }
+    finished = not stopped and proc.returncode == 0 and done[-1][0] >= target
+    return {**row, **estimate(done, total, target, finished), "killed": killed}
 
 
 def markdown(rows: list[dict], args, device_name: str) -> str:

@@ -16,7 +16,8 @@
 #       CNN, (c) ResNet-8 GroupNorm, (cbn) ResNet-8 BatchNorm, (d50, d) 50 and 500 small
 #       clients; each on the sequential and vmap backends and a minimal hand-written loop,
 #       beside the arithmetic floor (FLOPs / the device's measured float32 matmul rate),
-#       with peak GPU memory (n/a on the CPU); GPU_BENCH_REPS timed rounds (3)
+#       with peak GPU memory (n/a on the CPU); GPU_BENCH_REPS timed rounds (3); the cases
+#       in GPU_BENCH_CASES (all six)
 #   GPU_BENCH_COLUMN_S (150)  scripts/bench_column.py: DiversiFed Table I's FMNIST column, 12
 #       methods (GPU_BENCH_METHODS), seed 0, each for an equal share of the time, extrapolated
 #       to 500 rounds and marked so
@@ -36,6 +37,7 @@ ENGINE_S="${GPU_BENCH_ENGINE_S:-150}"
 COLUMN_S="${GPU_BENCH_COLUMN_S:-150}"
 ALGOS_S="${GPU_BENCH_ALGOS_S:-90}"
 REPS="${GPU_BENCH_REPS:-3}"
+CASES="${GPU_BENCH_CASES:-a,b,c,cbn,d50,d}"
 METHODS="${GPU_BENCH_METHODS:-fedavg local perfedavg pfedme fedamp fedfomo apple fedrep fedproto fedrod fedcac diversifed}"
 ALGOS_ARGS="${GPU_BENCH_ALGOS_ARGS:---settings mlp --rounds 2}"
 mkdir -p "$OUTDIR" || die "cannot create $OUTDIR"
@@ -47,7 +49,7 @@ gpu_env
 need_device "$DEVICE"
 [[ "$DEVICE" == cpu ]] || nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader 2>/dev/null || true
 
-ENGINE_ARGS=(--device "$DEVICE" --cases a,b,c,cbn,d50,d --reps "$REPS"
+ENGINE_ARGS=(--device "$DEVICE" --cases "$CASES" --reps "$REPS"
   --budget "$((ENGINE_S / 20 + 1))" --json "$OUTDIR/engine.json" --md "$OUTDIR/engine.md")
 COLUMN_EXTRA=()
 if [[ "$SMOKE" == 1 ]]; then
@@ -75,7 +77,7 @@ part() {  # part NAME SECONDS CMD...: run CMD under a hard limit; note a failure
 
 part engine "$ENGINE_S" "$PY" scripts/bench_engine.py "${ENGINE_ARGS[@]}"
 # the column's own limit per method, plus the grace a round under way gets to finish
-part column "$((COLUMN_S + per_method + 60))" "$PY" scripts/bench_column.py --device "$DEVICE" \
+part column "$((COLUMN_S + per_method + 30))" "$PY" scripts/bench_column.py --device "$DEVICE" \
   --methods "$METHODS" --seconds "$per_method" --json "$OUTDIR/column.json" \
   --md "$OUTDIR/column.md" "${COLUMN_EXTRA[@]}"
 ALGOS_PY="$ROOT/scripts/bench_algorithms.py"  # another issue's script: run where present

@@ -599,15 +599,22 @@ def tests_check(status: str, rc: str, seconds: str, xml: str, log: str):
 
 
 # ---------------------------------------------------------------------------- main
-def pool_map(fn, tasks: list[tuple], workers: int):
-    """fn(*task) for each task: in `workers` fresh processes (CUDA needs spawn), or here."""
+def pool_map(fn, tasks: list[tuple], workers: int) -> list:
+    """fn(*task) for each task, in `workers` fresh processes (CUDA needs spawn) or here; a
+    task whose process died (a CUDA fault can kill it) gives its exception instead."""
     if workers <= 1:
         return [fn(*t) for t in tasks]
     import multiprocessing as mp
 
+    out = []
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
         futures = [ex.submit(fn, *t) for t in tasks]
-        return [f.result() for f in futures]
+        for f in futures:
+            try:
+                out.append(f.result())
+            except Exception as e:  # noqa: BLE001 (BrokenProcessPool and the like)
+                out.append(e)
+    return out
 
 
 def warm_data_cache() -> None:
@@ -621,7 +628,9 @@ def run_agreement(args, algos: list[str], deadline: float) -> dict:
     threads = max(1, (os.cpu_count() or 2) // max(args.workers, 1))
     tasks = [(a, args.device, threads, deadline) for a in algos]
     out = {}
-    for part in pool_map(agreement_task, tasks, args.workers):
+    for (algo, *_), part in zip(tasks, pool_map(agreement_task, tasks, args.workers)):
+        if isinstance(part, BaseException):
+            part = {key_of(algo, m, b): error_record(part) for m in MODELS for b in BACKENDS}
         out.update(part)
     return out
 
@@ -681,7 +690,7 @@ def main(argv=None) -> int:
         help="comma-separated subset of auto, agreement, resume, eval_memory, chunking",
     )
     ap.add_argument("--algos", help="comma-separated algorithms (default: every registered)")
-    ap.add_argument("--workers", type=int, help="processes for the runs (default: cuda 4, cpu 1)")
+    ap.add_argument("--workers", type=int, help="processes for the runs (default: cuda 6, cpu 1)")
     ap.add_argument("--budget", type=float, default=600.0, help="seconds; later runs skipped")
     ap.add_argument(
         "--tests",
@@ -691,7 +700,7 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
     if args.workers is None:
-        args.workers = 4 if args.device.startswith("cuda") else 1
+        args.workers = 6 if args.device.startswith("cuda") else 1
     t_start = time.time()
     deadline = t_start + args.budget
 
@@ -796,6 +805,8 @@ def main(argv=None) -> int:
         got = pool_map(resume_task, tasks, args.workers)
         rows, bad = {}, []
         for (a, first, second, *_), g in zip(tasks, got):
+            if isinstance(g, BaseException):
+                g = error_record(g)
             status, note, d = compare(a, g, reference["runs"].get(key_of(a, *RESUME_KEY)))
             rows[f"{a} {first}->{second}"] = {"status": status, "note": note, "deltas": d}
             if status != "pass":

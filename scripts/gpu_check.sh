@@ -11,7 +11,8 @@
 # quick tests), check.log. Hard time limits (seconds, environment): GPU_CHECK_TESTS_S (150,
 # the tests) and GPU_CHECK_RUNS_S (170, gpu_check.py): under 6 minutes in all, so that a
 # second try fits a 15-minute GPU lease. GPU_CHECK_WORKERS: pytest workers (8);
-# GPU_CHECK_RUN_WORKERS: gpu_check.py's processes (cuda 4, cpu 1).
+# GPU_CHECK_RUN_WORKERS: gpu_check.py's processes (cuda 6, cpu 1). GPU_CHECK_PYTEST_ARGS: what
+# pytest collects (default: tests, the whole quick suite; e.g. a few files to test the script).
 # Exit status: 0 every check passed; 1 a check failed or ran out of time (the report says
 # which); 2 the script could not start (usage, packages, data, no GPU).
 set -euo pipefail
@@ -23,7 +24,8 @@ DEVICE="${GPU_CHECK_DEVICE:-cuda}"
 TESTS_S="${GPU_CHECK_TESTS_S:-150}"
 RUNS_S="${GPU_CHECK_RUNS_S:-170}"
 WORKERS="${GPU_CHECK_WORKERS:-8}"
-RUN_WORKERS="${GPU_CHECK_RUN_WORKERS:-}"  # gpu_check.py's processes (default: cuda 4, cpu 1)
+PYTEST_ARGS="${GPU_CHECK_PYTEST_ARGS:-tests}"
+RUN_WORKERS="${GPU_CHECK_RUN_WORKERS:-}"  # gpu_check.py's processes (default: cuda 6, cpu 1)
 mkdir -p "$OUTDIR" || die "cannot create $OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
 cd "$ROOT"
@@ -32,11 +34,12 @@ gpu_env
 need_device "$DEVICE"
 [[ "$DEVICE" == cpu ]] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 
-echo "== quick tests, FEDBENCH_TEST_DEVICE=$DEVICE, at most ${TESTS_S} s"
+echo "== quick tests ($PYTEST_ARGS), FEDBENCH_TEST_DEVICE=$DEVICE, at most ${TESTS_S} s"
+read -r -a pytest_args <<<"$PYTEST_ARGS"
 t0=$(date +%s)
 set +e
 FEDBENCH_TEST_DEVICE="$DEVICE" timeout -k 10 "$TESTS_S" "$PY" -m pytest -m quick -v -n "$WORKERS" \
-  -p no:cacheprovider --junitxml "$OUTDIR/tests.xml" tests >"$OUTDIR/tests.log" 2>&1
+  -p no:cacheprovider --junitxml "$OUTDIR/tests.xml" "${pytest_args[@]}" >"$OUTDIR/tests.log" 2>&1
 tests_rc=$?
 set -e
 tests_s=$(($(date +%s) - t0))
