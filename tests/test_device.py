@@ -50,21 +50,22 @@ def _past_masks():
         return contextlib.nullcontext()
 
 
-def _on_meta(algo: str, backend: str = "auto"):
+def _on_meta(algo: str, backend: str = "auto", extra=(), rounds: int = 1):
     """`algo` built by make_algo's recipe with TinyFed, the engine and the model on meta;
-    then one round over every client."""
+    then `rounds` rounds over every client."""
     from conftest import compose
     from fedbench.engine import Engine
     from fedbench.models import build_model
 
     fed = TinyFed().to("meta")
-    cfg = compose([f"algo={algo}", "batch_size=8", "optim.lr=0.1", *EXTRA.get(algo, [])])
+    cfg = compose([f"algo={algo}", "batch_size=8", "optim.lr=0.1", *extra, *EXTRA.get(algo, [])])
     torch.manual_seed(0)
     model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8])  # noqa: E731
     eng = Engine(fed, model_fn(), device="meta", backend=backend)
     with _past_masks():
         algo_obj = ALGORITHMS.get(algo)(cfg, fed, eng, model_fn)
-        algo_obj.round(0, np.arange(fed.num_clients))
+        for t in range(rounds):
+            algo_obj.round(t, np.arange(fed.num_clients))
     return algo_obj
 
 
@@ -117,3 +118,46 @@ def test_no_cpu_tensor_meets_a_device_tensor(name):
     except Exception as e:  # noqa: BLE001 (any other error is the failure reported)
         if not _data_dependent(e):
             raise
+
+
+# Algorithms that finish a whole round on meta (the others stop earlier, where meta needs
+# values): their checkpoints can be checked across devices end to end.
+WHOLE_ON_META = [
+    "apple",
+    "ditto",
+    "diversifed",
+    "fedamp",
+    "fedavg",
+    "feddyn",
+    "fedprox",
+    "fedsam",
+    "knnper",
+    "local",
+    "moon",
+    "perfedavg",
+    "pfedme",
+    "scaffold",
+]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", WHOLE_ON_META)
+def test_a_checkpoint_resumes_on_another_device(name):
+    """As `Run._restore` does: a state saved on TEST_DEVICE after a round, loaded with
+    `map_location` = the new device (meta) into an algorithm built there, then a round: no
+    tensor of the checkpoint may stay where it was saved or meet a CPU one. FedAvg keeps
+    momentum across rounds here, so the engine's optimizer state crosses too."""
+    import io
+
+    extra = ["optim.momentum=0.9", "optim.persist_state=true"] if name == "fedavg" else []
+    algo, eng, fed = make_algo(name, [*extra, *EXTRA.get(name, [])])
+    algo.round(0, np.arange(fed.num_clients))
+    buf = io.BytesIO()
+    torch.save({"algo": algo.state_dict(), "engine": eng.state_dict()}, buf)
+    buf.seek(0)
+    state = torch.load(buf, map_location="meta", weights_only=False)
+    on_meta = _on_meta(name, extra=extra, rounds=0)
+    on_meta.load_state_dict(state["algo"])
+    on_meta.engine.load_state_dict(state["engine"])
+    with _past_masks():
+        on_meta.round(1, np.arange(fed.num_clients))
