@@ -10,15 +10,22 @@ Floors, both measured by this script on the same device in the same run:
 
 Cases: (a) DiversiFed's FMNIST round: MLP 784-64-10, 40 clients x 300 samples, all sampled,
 E = 10, batch 100; (b) the FedAvg CNN (conv 64-64, FC 384-192) on 3x32x32 inputs, 100
-clients x 500 samples, 10 per round, E = 5, batch 50; (c) ResNet-8 (GroupNorm) on the same.
+clients x 500 samples, 10 per round, E = 5, batch 50; (c) ResNet-8 (GroupNorm) on the same,
+(cbn) with BatchNorm (its running statistics keep vmap's clients on the sequential backend:
+the "runs as" column says so); (d) 500 small clients in a round (MLP 784-64-10, 40 samples
+each, E = 1, batch 20: two steps per client) and (d50) the same with 50 clients, which
+show how a round's cost grows with the number of clients.
 Data are random tensors of those shapes (speed does not depend on the values). Every
 implementation runs the same rounds (same sampled clients), interleaved, after one warm-up
 round; the table shows the MIN over the timed rounds (shared machines are noisy). Peak
 memory: CUDA, the allocator's peak during a round above what was allocated before it; CPU,
-the growth of the peak RSS over one round, measured in a fresh subprocess per implementation.
+the growth of the peak RSS over one round, measured in a fresh subprocess per implementation
+(`--no-rss`: not measured, n/a).
 
-    python scripts/bench_engine.py                      # all cases, CPU (+ CUDA if present)
+    python scripts/bench_engine.py                      # cases a, b, c, CPU (+ CUDA if present)
     python scripts/bench_engine.py --cases a --reps 10 --device cpu
+    python scripts/bench_engine.py --device cuda --cases a,b,c,cbn,d50,d --md engine.md
+    python scripts/bench_engine.py --quick --device cpu --no-rss   # a smoke test: tiny cases
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -68,6 +76,21 @@ class Case:
     def samples_per_round(self) -> int:
         return self.per_round * self.samples * self.epochs
 
+    def shrunk(self) -> Case:
+        """The same model and shapes on a few clients and samples (`--quick`)."""
+        clients = max(2, min(self.clients // 50, 10))
+        per_round, samples, batch = min(self.per_round, clients), 20, 10
+        title = f"{self.title.split(',')[0]} [quick: {per_round}/{clients} x {samples}, E=1]"
+        return replace(
+            self,
+            title=title,
+            clients=clients,
+            per_round=per_round,
+            samples=samples,
+            epochs=1,
+            batch=batch,
+        )
+
 
 CASES = {
     "a": Case("FMNIST MLP 784-64-10, 40/40 clients x 300, E=10, B=100",
@@ -76,6 +99,12 @@ CASES = {
               "cnn", {"preset": "fedavg"}, (3, 32, 32), 100, 10, 500, 5, 50),
     "c": Case("ResNet-8 (GroupNorm), 3x32x32, 10/100 clients x 500, E=5, B=50",
               "resnet8", {}, (3, 32, 32), 100, 10, 500, 5, 50),
+    "cbn": Case("ResNet-8 (BatchNorm), 3x32x32, 10/100 clients x 500, E=5, B=50",
+                "resnet8", {"norm": "batch"}, (3, 32, 32), 100, 10, 500, 5, 50),
+    "d50": Case("MLP 784-64-10, 50/50 clients x 40, E=1, B=20",
+                "mlp", {"hidden": [64]}, (1, 28, 28), 50, 50, 40, 1, 20),
+    "d": Case("MLP 784-64-10, 500/500 clients x 40, E=1, B=20",
+              "mlp", {"hidden": [64]}, (1, 28, 28), 500, 500, 40, 1, 20),
 }  # fmt: skip
 
 
@@ -109,6 +138,8 @@ def fedbench_round(case: Case, fed: SyntheticFed, device: torch.device, backend:
             "optim": {"name": "sgd", "lr": LR},
             "local_epochs": case.epochs,
             "batch_size": case.batch,
+            "rounds": 1000,  # read by every algorithm (schedules over T); not by FedAvg's round
+            "seed": 0,
         }
     )
     algo = FedAvg(cfg, fed, engine, case.make_model)
@@ -196,10 +227,10 @@ def sampled(case: Case, t: int) -> np.ndarray:
     return np.sort(rng.choice(case.clients, case.per_round, replace=False))
 
 
-def peak_rss_growth(case_key: str, impl: str) -> float:
+def peak_rss_growth(case_key: str, impl: str, quick: bool) -> float:
     """MiB the RSS rises by during one round, in a fresh process (CPU only)."""
     out = subprocess.run(
-        [sys.executable, __file__, "--rss-child", case_key, impl],
+        [sys.executable, __file__, "--rss-child", case_key, impl, *(["--quick"] if quick else [])],
         capture_output=True,
         text=True,
         check=True,
@@ -241,7 +272,19 @@ def rss_child(case_key: str, impl: str) -> None:
     print((max(peak, rss()) - base) / 2**20)
 
 
-def bench_case(case_key: str, device: torch.device, reps: int, budget: float) -> dict:
+def runs_as(case: Case, fed: SyntheticFed, device: torch.device) -> dict[str, str]:
+    """The backend each implementation's training runs on (vmap falls back to sequential
+    for BatchNorm), and auto's choice."""
+    out = {"minimal": "hand-written"}
+    for backend in ("sequential", "vmap", "auto"):
+        eng = Engine(fed, case.make_model(), device=device, backend=backend)
+        out[backend] = eng.backend_for(case.per_round)
+    return out
+
+
+def bench_case(
+    case_key: str, device: torch.device, reps: int, budget: float, rss: bool, quick: bool
+) -> dict:
     """Times every implementation on interleaved rounds; returns the case's row data."""
     case = CASES[case_key]
     fed = SyntheticFed(case, device)
@@ -269,10 +312,10 @@ def bench_case(case_key: str, device: torch.device, reps: int, budget: float) ->
             if device.type == "cuda":
                 used = (torch.cuda.max_memory_allocated(device) - base) / 2**20
                 peak[impl] = max(peak.get(impl, 0.0), used)
-    if device.type == "cpu":
-        peak = {impl: peak_rss_growth(case_key, impl) for impl in IMPLS}
+    if device.type == "cpu" and rss:
+        peak = {impl: peak_rss_growth(case_key, impl, quick) for impl in IMPLS}
     flops = round_flops(case, device)
-    probe = Engine(fed, case.make_model(), device=device)
+    backends = runs_as(case, fed, device)
     return {
         "case": case_key,
         "title": case.title,
@@ -280,7 +323,10 @@ def bench_case(case_key: str, device: torch.device, reps: int, budget: float) ->
         "times": times,
         "peak_mib": peak,
         "round_gflop": flops / 1e9,
-        "auto": probe.backend_for(case.per_round),
+        "auto": backends.pop("auto"),
+        "runs_as": backends,
+        "clients": case.clients,
+        "per_round": case.per_round,
     }
 
 
@@ -301,38 +347,89 @@ def report(row: dict, matmul: float) -> str:
             f"{len(row['times'][impl]):>8}"
         )
     lines.append(f"  vmap speed-up over sequential: {best['sequential'] / best['vmap']:.1f}x")
+    if row.get("runs_as", {}).get("vmap", "vmap") != "vmap":
+        lines.append("  (vmap's clients ran on the sequential backend: float buffers in the model)")
     return "\n".join(lines)
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    """One table of every case and implementation (seconds per round: the best timed)."""
+    lines = [
+        header,
+        "",
+        "| case | implementation | runs as | s/round | x minimal | x floor | floor s | "
+        "peak MiB | rounds |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        floor = row["round_gflop"] * 1e9 / (row["matmul_gflops"] * 1e9)
+        best = {impl: min(ts) for impl, ts in row["times"].items() if ts}
+        for impl in IMPLS:
+            if impl not in best:
+                continue
+            peak = row["peak_mib"].get(impl)
+            lines.append(
+                f"| ({row['case']}) {row['title']} | {impl} | "
+                f"{row.get('runs_as', {}).get(impl, '')} | {best[impl]:.4f} | "
+                f"{best[impl] / best['minimal']:.2f} | {best[impl] / floor:.2f} | {floor:.4f} | "
+                f"{'n/a' if peak is None else f'{peak:.1f}'} | {len(row['times'][impl])} |"
+            )
+    speed = [
+        f"({r['case']}) {min(r['times']['sequential']) / min(r['times']['vmap']):.1f}x"
+        for r in rows
+    ]
+    lines += ["", "vmap over sequential: " + ", ".join(speed)]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default="a,b,c", help="comma-separated: a, b, c")
+    ap.add_argument("--cases", default="a,b,c", help=f"comma-separated: {', '.join(CASES)}")
     ap.add_argument("--device", default="all", help="cpu, cuda, or all (cpu + cuda if present)")
     ap.add_argument("--reps", type=int, default=5, help="timed rounds per implementation")
     ap.add_argument(
         "--budget", type=float, default=120.0, help="seconds per implementation and case"
     )
-    ap.add_argument("--json", help="also write the raw timings here")
+    ap.add_argument("--json", help="also write the raw timings here (after each case)")
+    ap.add_argument("--md", help="also write the table as markdown here (after each case)")
+    ap.add_argument("--no-rss", action="store_true", help="CPU: no peak-RSS subprocesses")
+    ap.add_argument("--quick", action="store_true", help="tiny cases: a smoke test")
     ap.add_argument("--rss-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    unknown = [k for k in args.cases.split(",") if k.strip() not in CASES]
+    if unknown:
+        ap.error(f"unknown case(s) {', '.join(unknown)}; valid: {', '.join(CASES)}")
+    if args.quick:
+        CASES.update({k: c.shrunk() for k, c in CASES.items()})
     if args.rss_child:
         rss_child(*args.rss_child)
         return
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     devices = [d for d in devices if d != "cuda" or torch.cuda.is_available()]
     rows = []
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
+    env = f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
+    print(env)
     for name in devices:
         device = torch.device(name)
         matmul = matmul_flops_per_s(device)
+        what = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        header = (
+            f"Engine, seconds per FedAvg round on {what} ({env}{', quick cases' * args.quick}); "
+            f"float32 matmul {matmul / 1e12:.2f} TFLOP/s"
+        )
         for key in args.cases.split(","):
-            row = bench_case(key.strip(), device, args.reps, args.budget)
+            row = bench_case(key.strip(), device, args.reps, args.budget, not args.no_rss,
+                             args.quick)  # fmt: skip
             row["matmul_gflops"] = matmul / 1e9
+            row["device_name"] = what
             rows.append(row)
             print(report(row, matmul), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            # written after each case: a run stopped by a time limit keeps what it measured
+            if args.json:
+                Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+            if args.md:
+                mine = [r for r in rows if r["device"] == str(device)]
+                Path(args.md).write_text(markdown(mine, header))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ import pytest
 import torch
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+# Where the tests that train through make_algo / run_small compute: cpu unless
+# FEDBENCH_TEST_DEVICE says otherwise (scripts/gpu_check.sh sets cuda on a GPU machine).
+TEST_DEVICE = os.environ.get("FEDBENCH_TEST_DEVICE", "cpu")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest-xdist runs one worker per core: torch's own threads (and those of the fedbench
@@ -43,6 +46,14 @@ class TinyFed:
 
     def batch(self, idx, train=True):
         return self.x[idx], self.y[idx]
+
+    def to(self, device) -> TinyFed:
+        """Moves the data and index tensors to `device` (in place, as `Federation` holds
+        them there; train_sizes stays on the CPU, as there); returns self."""
+        self.x, self.y = self.x.to(device), self.y.to(device)
+        self.train_idx = [i.to(device) for i in self.train_idx]
+        self.test_idx = [i.to(device) for i in self.test_idx]
+        return self
 
 
 @pytest.fixture
@@ -109,7 +120,7 @@ SMALL_FMNIST = [
     "participation=1.0",
     "batch_size=50",
     "eval.every=100",
-    "device=cpu",
+    f"device={TEST_DEVICE}",
 ]
 
 
@@ -134,17 +145,18 @@ def bn_mlp():
 def make_algo(algo: str, extra=(), fed=None, lr: float | None = 0.1, backend: str = "auto"):
     """Algorithm `algo` on TinyFed (3 clients with 37, 20, 50 samples, 6 features, 3
     classes), an MLP 6-8-3, batch 8, 1 epoch, optimizer lr `lr` (None: the config's), the
-    engine's `backend`. Returns (algorithm, engine, federation)."""
+    engine's `backend`, on TEST_DEVICE (`fed` is moved there). Returns (algorithm, engine,
+    federation)."""
     from fedbench.algorithms import ALGORITHMS
     from fedbench.engine import Engine
     from fedbench.models import build_model
 
-    fed = fed or TinyFed()
+    fed = (fed or TinyFed()).to(TEST_DEVICE)
     lr_override = [] if lr is None else [f"optim.lr={lr}"]
     cfg = compose([f"algo={algo}", "batch_size=8", *lr_override, *extra])
     torch.manual_seed(0)
     model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8])  # noqa: E731
-    eng = Engine(fed, model_fn(), device="cpu", backend=backend)
+    eng = Engine(fed, model_fn(), device=TEST_DEVICE, backend=backend)
     return ALGORITHMS.get(algo)(cfg, fed, eng, model_fn), eng, fed
 
 

@@ -166,9 +166,11 @@ class PFedLA(Algorithm):
         with torch.random.fork_rng(devices=[]):  # its own draws, seeded by the run
             torch.manual_seed(self.run.seed)
             nets = [LayerWeightNet(self.N, self.n_layers, E, H) for _ in range(self.N)]
-        self.hnet = nets[0].to(dev)  # the layout psi's rows follow
-        self.hspec = ModelSpec(self.hnet)
+        self.hspec = ModelSpec(nets[0])  # the layout psi's rows follow
+        # every row flattened on the CPU, where the nets were built, then moved: `.to` moves
+        # nets[0] itself, and a stack of one device row with CPU rows fails on a GPU
         self.psi = torch.stack([self.hspec.flatten(n) for n in nets]).to(dev)  # [N, Hn]
+        self.hnet = nets[0].to(dev)
         self.hn_optim = OptimConfig(name="sgd", lr=self.hp.hn_lr, momentum=self.hp.hn_momentum)
         # per-client momentum; empty without (a tensor of its own: a view would checkpoint psi)
         self.psi_buf = torch.zeros(self.psi.shape if self.hp.hn_momentum else 0, device=dev)
