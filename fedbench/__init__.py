@@ -33,7 +33,10 @@ def cell_name(overrides: str) -> str:
     """A table cell's directory name: its overrides themselves (`algo=fedavg,seed=0`) when
     they fit in a file name, else their first bytes and a digest of the whole (a sweep with
     many overrides would otherwise stop on "File name too long"). A function of the
-    overrides alone: a later sweep finds the same cell."""
+    overrides alone: a later sweep finds the same cell. A job without overrides (every key
+    at its default, or only keys that make no other run) is `defaults`."""
+    if not overrides:
+        return "defaults"
     raw = overrides.encode()
     if len(raw) <= CELL_NAME_BYTES:
         return overrides

@@ -6,7 +6,8 @@ directory (fedbench/rundir.py: a lock for the run's life; another run's director
 resume=true), then writes into it: partition.json, summary.json and checkpoint.pt atomically,
 metrics.csv and clients.csv by appended rows (a resume cuts them back to its checkpoint),
 run.log. SIGTERM (SLURM's preemption and time-out signal) and Ctrl-C finish the round under
-way, save a checkpoint and raise `Interrupted`; a second one stops at once.
+way, save a checkpoint and raise `Interrupted`; a second one stops at once. Once the last
+round is done a signal only waits: the summary is written and the run is complete.
 """
 
 from __future__ import annotations
@@ -102,41 +103,71 @@ MIN_TEST_SAMPLES = 10
 
 class Interrupted(FedbenchError):
     """SIGTERM or Ctrl-C stopped the run; `saved` says whether a checkpoint holds its last
-    round. The CLI prints the message and exits with 128 + the signal's number."""
+    round (`checkpoint_round`: the round of the newest checkpoint there, None: none). The
+    CLI prints the message and exits with 128 + the signal's number."""
 
-    def __init__(self, signum: int, next_round: int, saved: bool, out: Path) -> None:
+    def __init__(
+        self,
+        signum: int,
+        next_round: int,
+        saved: bool,
+        out: Path,
+        checkpoint_round: int | None = None,
+    ) -> None:
         self.signum, self.next_round, self.saved = signum, next_round, saved
+        self.checkpoint_round = next_round if saved else checkpoint_round
         name = signal.Signals(signum).name
         if saved:
             msg = (
                 f"{name}: stopped after round {next_round}, checkpoint saved; continue with "
                 f"resume=true hydra.run.dir={out}"
             )
+        elif checkpoint_round is not None:
+            msg = (
+                f"{name} again: stopped in round {next_round + 1} before it was saved; "
+                f"continue from the checkpoint of round {checkpoint_round} with resume=true "
+                f"hydra.run.dir={out}"
+            )
         else:
-            msg = f"{name}: stopped at round {next_round} without a checkpoint of it"
+            msg = (
+                f"{name} again: stopped in round {next_round + 1}, before any checkpoint; "
+                f"start it again with resume=auto hydra.run.dir={out}"
+            )
         super().__init__(msg)
 
 
 class _Stop:
-    """What the signal handlers saw: the first signal's number, or 0."""
+    """What the signal handlers saw and where the run stands: the first signal's number (0:
+    none), the round of the newest checkpoint in the run directory (None: none), and
+    `finishing` / `finished`: the last round is done and the summary is being written /
+    written (a signal then only waits: the run is complete a moment later)."""
 
     def __init__(self) -> None:
         self.signum = 0
+        self.checkpoint_round: int | None = None
+        self.finishing = False
+        self.finished = False
 
 
 @contextmanager
-def _graceful(out: Path, progress: dict) -> Iterator[_Stop]:
+def _graceful(out: Path, progress: dict, stop: _Stop | None = None) -> Iterator[_Stop]:
     """SIGTERM / SIGINT: the first asks the loop to stop after the round under way (it then
-    checkpoints); a second raises at once. Outside the main thread (a threads launcher)
-    signals are not ours to handle: nothing is installed."""
-    stop = _Stop()
+    checkpoints); a second raises at once, unless the last round is done (`stop.finishing`):
+    the summary is then written whatever comes. Outside the main thread (a threads
+    launcher) signals are not ours to handle: nothing is installed."""
+    stop = stop or _Stop()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
 
     def handler(signum: int, frame: object) -> None:
+        if stop.finishing or stop.finished:
+            stop.signum = stop.signum or signum
+            return
         if stop.signum:
-            raise Interrupted(signum, progress["next_round"], False, out)
+            raise Interrupted(
+                signum, progress["next_round"], False, out, checkpoint_round=stop.checkpoint_round
+            )
         stop.signum = signum
         log.warning(
             "%s: finishing round %d, then saving a checkpoint (again: stop at once)",
@@ -258,6 +289,9 @@ class Run:
         self._warned_collapse = False  # one warning per run when an attacked run diverges
         self._ckpt_logged = False  # the checkpoint's size is logged once
         self._ckpt_digest: str | None = None  # SHA-256 of the checkpoint.pt on disk
+        # signals seen and how far the run got (the CLI's own handler reads it: a signal
+        # after the loop's end only waits, the run is then complete)
+        self.stop = _Stop()
         self.per_round = clients_per_round(cfg.participation, n)
         self.sampler = np.random.default_rng([seed, 7])
 
@@ -338,6 +372,7 @@ class Run:
         if cfg.resume and (self.out / CHECKPOINT).exists():
             st = self._restore(rounds, every)
             st.setdefault("best_val", None)  # a checkpoint from before validation sets
+            self.stop.checkpoint_round = int(st["next_round"])
         sinks.start(plain(cfg), self.out, bool(cfg.resume))
         metrics = _appender(self.out / "metrics.csv", st["metrics_csv"])
         clients = _clients_appender(self.out / "clients.csv", st["clients_len"])
@@ -352,7 +387,7 @@ class Run:
             total=rounds,
         )
         first, t_loop = st["next_round"], time.perf_counter()  # this process's pace
-        with _graceful(self.out, st) as stop:
+        with _graceful(self.out, st, self.stop) as stop:
             for t in bar:
                 chosen = self.sample()
                 report = self.algo.round(t, chosen)
@@ -392,10 +427,23 @@ class Run:
                 if due or stop.signum:
                     st["elapsed_s"] = time.perf_counter() - t0
                     self._checkpoint(st, metrics, clients)
-                if stop.signum and t + 1 < rounds:
+                    stop.checkpoint_round = t + 1
+                if t + 1 == rounds:
+                    # every round is done (a signal in the last one stops nothing): the
+                    # summary is written whatever comes now, so that exit status and files agree
+                    stop.finishing = True
+                elif stop.signum:
                     bar.close()
                     raise Interrupted(stop.signum, t + 1, True, self.out)
-        bar.close()
+            bar.close()
+            stop.finishing = True  # (a resume of a finished run has no round to run)
+            summary = self._finish(st, rounds, t0, sinks)
+            stop.finished = True
+        return summary
+
+    def _finish(self, st: dict, rounds: int, t0: float, sinks: Sinks) -> dict:
+        """Write summary.json (the run is then complete) and close the trackers."""
+        cfg = self.cfg
         wall = time.perf_counter() - t0
         if st["final"] is None:
             raise FedbenchError(f"{self.out}: no evaluation was made (rounds={rounds})")

@@ -2,7 +2,8 @@
 
 A table script (scripts/reproduce_*.sh) is a list of `fedbench -m` sweeps, each into a fixed
 `hydra.sweep.dir`; every job of a sweep (a cell) has a fixed directory,
-`<sweep dir>/<job number>_<its overrides>`, exactly as Hydra names it. Run again with
+`<sweep dir>/<its overrides>` (hydra.sweep.subdir, fedbench.cell_name), exactly as Hydra
+names it. Run again with
 `resume=auto`, a finished cell is skipped and an interrupted one resumes from its
 checkpoint. This module composes every cell's config as Hydra will, finds its directory and
 tells what it holds:

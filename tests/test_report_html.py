@@ -254,7 +254,7 @@ def test_page_in_headless_chromium(sweep, tmp_path):
     assert any("(1 failed)" in c for c in dom.body[0])  # the copy without summary.json
 
     # the failed job with its error line, the copy as unfinished
-    (failed_dir,) = (sweep / "failing").glob("0_*")
+    (failed_dir,) = (p for p in (sweep / "failing").iterdir() if p.is_dir() and "=" in p.name)
     error = (failed_dir / "error.txt").read_text().strip()
     assert "classes_per_client=12" in error
     failed = [li for li in dom.items if failed_dir.name in li]

@@ -22,9 +22,12 @@ pytestmark = pytest.mark.quick
 
 
 def test_cells_mean_std_and_duplicate_seeds(tmp_path, capsys):
-    """mean and sample std by hand; a seed run twice counts twice (and is warned about)."""
-    for name, seed, final in (("a", 0, 0.50), ("b", 1, 0.60), ("c", 2, 0.70), ("d", 2, 0.80)):
+    """mean and sample std by hand; a seed run twice with another setting (optim.lr, not a
+    row or column) counts twice (and is warned about); the same run twice counts once."""
+    for name, seed, final in (("a", 0, 0.50), ("b", 1, 0.60), ("c", 2, 0.70)):
         write_run(tmp_path / name, [0.1, final], seed=seed)
+    write_run(tmp_path / "d", [0.1, 0.80], seed=2, optim__lr=0.5)
+    write_run(tmp_path / "e", [0.1, 0.90], seed=2)  # c again (another sweep's cell of it)
     t = build(find_runs([tmp_path]), ["algo"], [], ["personal.L.avg", "personal.L.top5"])
     cell = values_of(t, "fedavg", (), "personal.L.avg")
     assert cell.n == 4 and cell.mean == pytest.approx(0.65)
@@ -32,7 +35,9 @@ def test_cells_mean_std_and_duplicate_seeds(tmp_path, capsys):
     assert cell.std == pytest.approx(math.sqrt(0.05 / 3))
     assert sorted(cell.seeds) == [0, 1, 2, 2]
     assert values_of(t, "fedavg", (), "personal.L.top5").mean == pytest.approx(0.75)
-    assert "1 run(s) repeat a seed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "1 run(s) repeat a seed" in err
+    assert f"{tmp_path / 'e'}: the same run as {tmp_path / 'c'}" in err and "counted once" in err
     text = render(t, "terminal")
     assert "65.00 ± 12.91" in text and "75.00 ± 12.91" in text
 

@@ -225,9 +225,58 @@ def is_run_dir(path: Path) -> bool:
     return (path / "summary.json").is_file() or (path / ".hydra" / "config.yaml").is_file()
 
 
+# Config keys that make no other run (where and how it ran, what it logged): two runs that
+# differ only in these are one run twice (an old sweep's `<n>_<overrides>` cell and a later
+# sweep's `<overrides>` cell of the same job, a run copied elsewhere).
+SAME_RUN_IGNORES = ("engine.chunk_clients", "engine.memory_budget")
+SAME_RUN_IGNORES_PREFIXES = ("log.", "objective.")
+
+
+def run_identity(run: RunDir) -> tuple | None:
+    """What makes `run` the run it is: its config less incidental keys (None: no readable
+    config, never taken for another run)."""
+    saved = run.path / ".hydra" / "config.yaml"
+    if not saved.is_file() or any(p.startswith(".hydra/config.yaml") for p in run.problems):
+        return None  # (a config from summary.json's few keys alone tells too little)
+    return tuple(
+        sorted(
+            (k, hashable(v))
+            for k, v in run.config.items()
+            if not incidental(k)
+            and k not in SAME_RUN_IGNORES
+            and not k.startswith(SAME_RUN_IGNORES_PREFIXES)
+        )
+    )
+
+
+def dedupe(runs: list[RunDir], warn) -> list[RunDir]:
+    """Each finished run once: of finished runs with the same identity (`run_identity`) the
+    first in path order is kept and `warn` names the others; a table would otherwise count
+    one seed twice ("6 seeds" of 4). Unfinished runs are all kept (each is a failure to
+    list, with its own reason; none adds a number)."""
+    first: dict[tuple, RunDir] = {}
+    copies: dict[tuple, list[RunDir]] = {}
+    for r in runs:
+        key = None if r.failed else run_identity(r)
+        if key is None:
+            continue
+        if key in first:
+            copies.setdefault(key, []).append(r)
+        else:
+            first[key] = r
+    for key, others in copies.items():
+        warn(
+            f"{', '.join(str(r.path) for r in others)}: the same run as {first[key].path} "
+            "(the same config): counted once"
+        )
+    drop = {id(r) for others in copies.values() for r in others}
+    return [r for r in runs if id(r) not in drop]
+
+
 def find_runs(paths: Iterable[str | os.PathLike], warn=None) -> list[RunDir]:
-    """Every run directory at or under `paths` (in path order, each once). A folder that
-    cannot be listed is skipped; `warn(message)` (default: a line on stderr) says so."""
+    """Every run directory at or under `paths` (in path order, each once, and each run once:
+    `dedupe`). A folder that cannot be listed is skipped; `warn(message)` (default: a line
+    on stderr) says so, and names the copies of a run that are left out."""
     if warn is None:
         warn = _warn
     found: dict[Path, Path] = {}  # resolved -> as found (to print), each run once
@@ -248,7 +297,7 @@ def find_runs(paths: Iterable[str | os.PathLike], warn=None) -> list[RunDir]:
             if is_run_dir(here):
                 found.setdefault(here.resolve(), here)
                 dirnames[:] = []  # a run directory does not contain other runs
-    return [read_run(p) for p in found.values()]
+    return dedupe([read_run(p) for p in found.values()], warn)
 
 
 def _warn(message: str) -> None:
