@@ -487,7 +487,8 @@ def _main(args: argparse.Namespace) -> int:
                        key=lambda c: c.name)  # fmt: skip
         print(f"sample of {len(cells)} (--seed {seed})")
     renewed = load_pins(root)
-    pins = [pin_of(c, args.rounds, renewed) for c in cells]
+    # cheapest first: a drift shows as early as it can
+    pins = sorted((pin_of(c, args.rounds, renewed) for c in cells), key=estimate_s)
     total = sum(estimate_s(p) for p in pins)
     print(
         f"{len(pins)} pinned cell(s), about {total / 60:.0f} min at their recorded pace; "
