@@ -188,14 +188,18 @@ def pin_text(root: Path, folder: Path, rounds: int = DEFAULT_ROUNDS) -> str:
     later = rows[rows["round"] >= rounds]["round"]
     until = int(later.min()) if len(later) else int(rows["round"].max())
     first = int(rows["round"].min())
-    span = f"round {until}" if first == until else f"rounds {first}-{until}"
+    rows_text = f"its row of round {until}" if first == until else f"its rows {first}-{until}"
     if rec:
         return (
-            f"renewed: today's code is checked against the rows it gave on {rec.get('machine')} "
-            f"(torch {rec.get('torch')}) at commit {rec.get('commit')}, {span}, because: "
-            f"{rec.get('reason')} (results/pins.json); this folder's numbers are older code's"
+            f"renewed: `scripts/check_pinned.sh` re-runs rounds 1-{until} and compares "
+            f"{rows_text} with those today's code gave on {rec.get('machine')} (torch "
+            f"{rec.get('torch')}, commit {rec.get('commit')}), because: {rec.get('reason')} "
+            "(results/pins.json); this folder's numbers are older code's"
         )
-    return f"`scripts/check_pinned.sh` re-runs {span} and compares them with metrics.csv"
+    return (
+        f"`scripts/check_pinned.sh` re-runs rounds 1-{until} and compares {rows_text} with "
+        "metrics.csv's"
+    )
 
 
 def here() -> dict:
