@@ -302,11 +302,15 @@ class Run:
             return np.arange(n)
         return np.sort(self.sampler.choice(n, self.per_round, replace=False))
 
-    def run(self, hydra_files: dict[str, str] | None = None) -> dict:
+    def run(self, hydra_files: dict[str, str] | None = None, *, until: int | None = None) -> dict:
         """Claim the run directory, train and evaluate, write the results; returns the
         summary. `hydra_files` ({relative path: text}, e.g. Hydra's `.hydra/hydra.yaml`)
         are written once the directory is claimed; `.hydra/config.yaml` always is. A resume of
-        a finished run (`checkpoint.finished`) returns its summary and writes nothing."""
+        a finished run (`checkpoint.finished`) returns its summary and writes nothing.
+        `until`: stop after that round as a preempted run stops (its metrics.csv rows, a
+        checkpoint when checkpoints are on, no summary.json; returns {}), with `rounds`
+        unchanged: the first rounds of a long run exactly (APPLE's and FedSpa's schedules
+        follow `rounds`), which is what scripts/check_pinned.sh re-runs."""
         done = finished(self.cfg, self.out)
         if done is not None:
             log.info("%s", done.line)
@@ -318,7 +322,7 @@ class Run:
             with _log_file(self.out / "run.log"):
                 sinks = Sinks.from_cfg(plain(self.cfg.get("log")))
                 try:
-                    summary = self._run(sinks)
+                    summary = self._run(sinks, until)
                 except Exception as e:
                     log.error("%s", e, exc_info=not isinstance(e, FedbenchError))
                     with contextlib.suppress(OSError, FedbenchError):
@@ -329,7 +333,7 @@ class Run:
                 (self.out / ERROR_FILE).unlink(missing_ok=True)
                 return summary
 
-    def _run(self, sinks: Sinks) -> dict:
+    def _run(self, sinks: Sinks, until: int | None = None) -> dict:
         cfg = self.cfg
         # class counts per client ride along, so the report draws the split without the data
         counts = partition_counts(
@@ -378,8 +382,9 @@ class Run:
         clients = _clients_appender(self.out / "clients.csv", st["clients_len"])
         comm = st["comm"]
         t0 = time.perf_counter() - st["elapsed_s"]
+        stop_at = rounds if until is None else min(int(until), rounds)
         bar = tqdm(
-            range(st["next_round"], rounds),
+            range(st["next_round"], stop_at),
             desc=str(cfg.algo.name),
             disable=not self.progress,
             leave=False,
@@ -423,7 +428,7 @@ class Run:
                         log.info(_progress_line(t + 1, rounds, summ, first, t_loop))
                 st["next_round"] = t + 1
                 # the last round too: a finished run can be extended (rounds=<more> resume=true)
-                due = ckpt_every and ((t + 1) % ckpt_every == 0 or t + 1 == rounds)
+                due = ckpt_every and ((t + 1) % ckpt_every == 0 or t + 1 in (rounds, stop_at))
                 if due or stop.signum:
                     st["elapsed_s"] = time.perf_counter() - t0
                     self._checkpoint(st, metrics, clients)
@@ -436,6 +441,8 @@ class Run:
                     bar.close()
                     raise Interrupted(stop.signum, t + 1, True, self.out)
             bar.close()
+            if st["next_round"] < rounds:  # stopped at `until`: an unfinished run, no summary
+                return {}
             stop.finishing = True  # (a resume of a finished run has no round to run)
             summary = self._finish(st, rounds, t0, sinks)
             stop.finished = True

@@ -194,6 +194,14 @@ def parser() -> argparse.ArgumentParser:
         "figures of --plots embedded",
     )
     p.add_argument(
+        "--cards",
+        action="store_true",
+        help="write a reproduction card (card.json, card.md) into every finished run's "
+        "folder: the one-line command, wall time, machine, code and data, the paper tables "
+        "it lands in beside the paper's number, the reason for a gap of more than 2 points "
+        "(results/reasons.yaml); --html shows them too",
+    )
+    p.add_argument(
         "--digits",
         type=_digits,
         metavar="N",
@@ -454,6 +462,9 @@ def _main(argv: list[str] | None) -> int:
     if args.keys:
         emit(list_keys(runs))
         return 0
+    if args.cards:
+        emit(write_cards(args.paths, runs))
+        return 0
     table = make_table(args, runs)
     text = render(table, args.format)
     emit(text)
@@ -474,6 +485,29 @@ def _main(argv: list[str] | None) -> int:
     return 0
 
 
+def write_cards(paths: list[str], runs: list[RunDir]) -> str:
+    """--cards: card.json and card.md into every finished run's folder; one line per card
+    (a gap of more than 2 points without a reason says so)."""
+    from fedbench.report import cards
+
+    made = cards.build_cards(paths, runs)
+    if not made:
+        raise ReportError("no finished run to write a card for")
+    cards.write_cards(made)
+    lines = []
+    for folder, card in made:
+        gap = "" if card.max_gap is None else f"; max gap to the paper {card.max_gap:.2f} points"
+        if card.needs_reason and not card.reason:
+            gap += " and NO REASON (add one to reasons.yaml)"
+        lines.append(f"card: {folder / cards.CARD_MD}{gap}\n")
+    missing = sum(c.needs_reason and not c.reason for _, c in made)
+    lines.append(
+        f"{len(made)} card(s) written; {sum(c.needs_reason for _, c in made)} more than "
+        f"{cards.GAP:g} points from their paper, {missing} of them without a reason\n"
+    )
+    return "".join(lines)
+
+
 def write_html(
     path: Path, table: Table, runs: list[RunDir], args: argparse.Namespace, plots=None
 ) -> None:
@@ -482,14 +516,16 @@ def write_html(
     import shlex
     import tempfile
 
+    from fedbench.report.cards import build_cards
     from fedbench.report.html import page
     from fedbench.report.plots import write_plots
 
     command = shlex.join(["fedbench-report", *(args.argv or [])])
+    cards = [card for _, card in build_cards(args.paths, runs)]
     with tempfile.TemporaryDirectory(prefix="fedbench-report-") as tmp:
         if plots is None:
             plots = write_plots(table, tmp, warn=_warn)
-        text = page(table, runs, args.paths, plots, command=command)
+        text = page(table, runs, args.paths, plots, command=command, cards=cards)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

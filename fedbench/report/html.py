@@ -5,8 +5,11 @@ how many runs, finished / failed / unfinished), the table exactly as the termina
 prints it (the same cell texts: `fedbench.report.table.grid`, so --rows, --cols, --metric,
 --select, --preset, --best-of, --reference and --digits apply as they do there), its
 legend and notes, the config keys that vary between the runs and their values, the
-figures of `fedbench.report.plots` embedded as base64 PNG data URIs, and the runs that did
-not finish, each with its one-line error (error.txt) or why it has none.
+figures of `fedbench.report.plots` embedded as base64 PNG data URIs, the reproduction card
+of every finished run (`fedbench.report.cards`: its one-line command, wall time, machine,
+code and data, the paper tables it lands in with the paper's number and the difference, the
+reason for a gap of more than 2 points), and the runs that did not finish, each with its
+one-line error (error.txt) or why it has none.
 
 Nothing is loaded from elsewhere: the CSS is inline, the images are data URIs, and the one
 inline script only records errors (into the `data-errors` attribute of <html>) so that a
@@ -22,6 +25,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from fedbench.report.cards import GAP, Card
 from fedbench.report.collect import RunDir, format_value, hashable, sort_key, varying_keys
 from fedbench.report.table import Table, grid, legend_lines
 
@@ -48,6 +52,10 @@ td.cell-failed { color: #cf222e; } td.cell-missing, td.cell-na { color: #999; }
 figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { font-size: 0.9em; color: #555; }
 ul.runs li { margin-bottom: 0.3em; } .err { color: #cf222e; }
+details.card { margin: 0.4em 0; } details.card summary { cursor: pointer; }
+details.card pre { background: #f6f8fa; padding: 0.5em; white-space: pre-wrap;
+                   word-break: break-all; }
+.gap { color: #9a6700; } .noreason { color: #cf222e; }
 """
 
 # Records script errors and resources that fail to load (capture phase: <img> errors do
@@ -152,6 +160,69 @@ def table_html(table: Table) -> str:
     return "\n".join(out)
 
 
+def _num(x: float | None, fmt: str = ".2f") -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def card_html(card: Card) -> str:
+    """One run's reproduction card, folded (<details>): the same facts as its card.md."""
+    gap = ""
+    if card.max_gap is not None:
+        cls = "gap" if card.needs_reason else ""
+        gap = f' <span class="{cls}">(max gap to the paper {card.max_gap:.2f} points)</span>'
+    facts = [
+        ("run", f"algo={card.algo} on {card.data}, seed {card.seed}, {card.rounds} rounds"),
+        ("wall time", "not recorded" if card.wall_time_s is None
+         else f"{card.wall_time_s / 60:.1f} min ({card.wall_time_s:.0f} s)"),
+        ("machine", card.machine),
+        ("fedbench", f"version {card.version}; commit {card.commit}"),
+        ("torch", card.torch),
+        ("data digest", f"{card.data_digest}: {card.data_digest_note}"),
+        ("pinned", card.pin.replace("`", "")),
+    ]  # fmt: skip
+    if card.note:
+        facts.append(("note", card.note))
+    out = [
+        f'<details class="card"><summary><code class="path">{_e(card.cell)}</code>{gap}</summary>',
+        f"<pre><code>{_e(card.command)}</code></pre>",
+        '<table class="card"><tbody>',
+        *(f'<tr><th scope="row">{_e(k)}</th><td class="label">{_e(v)}</td></tr>' for k, v in facts),
+        "</tbody></table>",
+    ]
+    for c in card.comparisons:
+        when = "best round" if c.select == "best" else "last evaluation"
+        at = f", round {c.round}" if c.round is not None else ""
+        out.append(
+            '<table class="card-paper"><caption>'
+            f"{_e(c.title)} [{_e(c.preset)}]: {_e(c.row)} / {_e(c.column)} ({when}{at})"
+            "</caption><thead><tr><th>stat</th><th>ours</th><th>paper</th>"
+            "<th>ours − paper</th></tr></thead><tbody>"
+        )
+        for s in c.stats:
+            out.append(
+                f'<tr><td class="label">{_e(s.stat)}</td><td class="num">{_num(s.ours)}</td>'
+                f'<td class="num paper">{_e(s.paper or "—")}</td>'
+                f'<td class="num">{_num(s.difference, "+.2f")}</td></tr>'
+            )
+        out.append("</tbody></table>")
+        out += [f'<p class="notes">{_e(d)}</p>' for d in c.deviations]
+    if card.needs_reason or card.reason:
+        if card.reason:
+            head = f"Why more than {GAP:g} points from the paper" if card.needs_reason else "Note"
+            out.append(f"<p><strong>{head}:</strong> {_e(card.reason)}</p>")
+        else:
+            out.append('<p class="noreason">No reason given for a gap of more than '
+                       f"{GAP:g} points.</p>")  # fmt: skip
+        if card.checks:
+            out.append(
+                "<p>Checked by: "
+                + ", ".join(f'<code class="path">{_e(c)}</code>' for c in card.checks)
+                + "</p>"
+            )
+    out.append("</details>")
+    return "\n".join(out)
+
+
 def _figure(path: Path) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
     name = path.stem
@@ -167,9 +238,11 @@ def page(
     paths: Iterable[str],
     plots: Iterable[Path] = (),
     command: str | None = None,
+    cards: Iterable[Card] = (),
 ) -> str:
     """The whole page as text (UTF-8 HTML5). `runs`: every run read (after --filter);
-    `plots`: PNG files to embed (what `write_plots` wrote)."""
+    `plots`: PNG files to embed (what `write_plots` wrote); `cards`: the finished runs'
+    reproduction cards."""
     paths = [str(p) for p in paths]
     roots = [Path(p) for p in paths]
     states = [(r, *run_state(r)) for r in runs]
@@ -221,6 +294,16 @@ def page(
     parts += ["</section>", '<section id="plots">', "<h2>Plots</h2>"]
     figs = [_figure(Path(p)) for p in plots]
     parts += figs or ["<p>No plots (no finished run with metrics).</p>"]
+    parts += ["</section>", '<section id="cards">', "<h2>Reproduction cards</h2>"]
+    cards = list(cards)
+    if cards:
+        parts.append(
+            '<p class="notes">One per finished run: the command that makes it again, where '
+            "and by what it was made, and the paper tables it lands in.</p>"
+        )
+        parts += [card_html(c) for c in cards]
+    else:
+        parts.append("<p>None (no finished run).</p>")
     parts += ["</section>", '<section id="failed">', "<h2>Runs that did not finish</h2>"]
     bad = [(r, st, why) for r, st, why in states if st != "finished"]
     if bad:
