@@ -94,6 +94,7 @@ fi
   echo
   echo "$("$PY" -c 'import sys, torch; print("Python", sys.version.split()[0], "torch", torch.__version__, "CUDA", torch.version.cuda)'), $(date '+%Y-%m-%d %H:%M:%S')"
   for f in engine.md column.md algorithms/algorithms.md; do
+    [[ $f == algorithms/* && ! -f "$ALGOS_PY" ]] && continue  # not in this checkout
     echo
     if [[ -f "$OUTDIR/$f" ]]; then cat "$OUTDIR/$f"; else echo "($f: not written)"; fi
   done

@@ -79,3 +79,30 @@ def test_a_column_is_extrapolated_from_the_rounds_after_the_first():
     assert one["total_s"] == 2.5 + 2.5 + 9 * 2.5  # one round: its time stands for every round
     whole = bench_column.estimate(done, process_s=10.0, target=4, finished=True)
     assert whole["total_s"] == 10.0 and whole["status"] == "measured"
+
+
+def test_the_quick_tests_outcome_is_read_from_the_xml_or_from_the_log(tmp_path):
+    xml = tmp_path / "tests.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_a" name="test_ok"/>'
+        '<testcase classname="tests.test_a" name="test_bad">'
+        '<failure message="AssertionError: 1 != 2&#10;more">tb</failure></testcase>'
+        '<testcase classname="tests.test_b" name="test_skip"><skipped message="no"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    status, summary, details, _ = gpu_check.tests_check("fail", "1", "9", str(xml), "-")
+    assert status == "fail" and details["counts"] == {"passed": 1, "failed": 1, "skipped": 1}
+    assert details["failed"] == {"tests.test_a::test_bad": "AssertionError: 1 != 2"}
+    # stopped by the time limit: no XML, the verbose log's lines instead
+    log = tmp_path / "tests.log"
+    log.write_text(
+        "[gw0] [ 1%] PASSED tests/test_a.py::test_ok \n"
+        "[gw1] [ 2%] FAILED tests/test_a.py::test_bad \n"
+        "tests/test_b.py::test_slow \n"
+    )
+    status, summary, details, _ = gpu_check.tests_check(
+        "fail", "124", "150", str(tmp_path / "none.xml"), str(log)
+    )
+    assert status == "fail" and details["counts"] == {"passed": 1, "failed": 1}
+    assert "stopped at its time limit" in summary and "tests/test_a.py::test_bad" in summary
