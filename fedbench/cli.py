@@ -432,9 +432,9 @@ def _plan_dirs(plan: Plan, cfg, overrides: list[str]) -> None:
     sweep = sweep_marks(where) if where.is_dir() else []
     if sweep:
         raise BadInput(
-            f"fedbench: run directory {where} is a sweep's directory ({', '.join(sweep)}); a "
-            "run there would hide the sweep's runs from fedbench-report: choose another one "
-            "(a cell of the sweep is resumed in its own folder)"
+            f"fedbench: run directory {where} holds a sweep or other runs ({', '.join(sweep)});"
+            " a run there would hide them from fedbench-report: choose another one (a cell of "
+            "a sweep is resumed in its own folder)"
         )
     taken = holds_run(where) if where.is_dir() else []
     if taken and not resume:
@@ -546,6 +546,9 @@ def _make_task(plan: Plan):
             name = signal.Signals(e.signum).name
             cleaned = _clean_stopped(out, before, None if multirun else plan.created)
             if multirun:
+                if cleaned:
+                    with contextlib.suppress(OSError):
+                        out.rmdir()  # the job's own folder, if empty
                 what = "nothing of it kept" if cleaned else "its directory as it was"
                 _say(
                     f"{name}: the sweep stopped in job {out.name} before it trained ({what}); "

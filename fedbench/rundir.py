@@ -72,21 +72,34 @@ def _os_error(path: Path, e: OSError) -> RunDirError:
     return RunDirError(f"run directory {path}: {e.strerror or e}")
 
 
+# How deep `sweep_marks` looks for runs below a folder (a sweep's cells are one level down;
+# `multirun/<date>/<time>/<cell>` four below the folder a user works in), and how many
+# folders it looks at in all.
+RUNS_BELOW_DEPTH = 4
+RUNS_BELOW_FOLDERS = 5000
+
+
 def sweep_marks(path: Path) -> list[str]:
-    """What makes `path` a sweep's directory (empty: none): Hydra's multirun.yaml, a live
-    sweep's lock, or runs in its subfolders (two levels down; hidden ones skipped)."""
+    """What makes `path` a sweep's directory, or a folder of runs (empty: none): Hydra's
+    multirun.yaml, a live sweep's lock, or runs in its subfolders (hidden ones skipped).
+    A run written there would hide them from fedbench-report, which does not look inside
+    a run's directory."""
     marks = [MULTIRUN_FILE] if (path / MULTIRUN_FILE).exists() else []
     if _held(path / SWEEP_LOCK):
         marks.append("a live sweep's lock")
-    runs = 0
-    level = [path]
-    for _ in range(2):
+    runs, seen, level = 0, 0, [path]
+    for _ in range(RUNS_BELOW_DEPTH):
         below = []
         for d in level:
             with contextlib.suppress(OSError):
-                below += [c for c in d.iterdir() if c.is_dir() and not c.name.startswith(".")]
-        runs += sum(1 for c in below if holds_run(c))
-        level = [c for c in below if not holds_run(c)][:1000]
+                below += [c for c in d.iterdir() if not c.name.startswith(".") and c.is_dir()]
+        below = below[: max(RUNS_BELOW_FOLDERS - seen, 0)]
+        seen += len(below)
+        taken = [bool(holds_run(c)) for c in below]
+        runs += sum(taken)
+        level = [c for c, t in zip(below, taken, strict=True) if not t]
+        if not level:
+            break
     if runs:
         marks.append(f"{runs} run{'s' if runs > 1 else ''} in its subfolders")
     return marks
@@ -185,8 +198,8 @@ class RunDir:
         if sweep:
             _unlock(fd, lock)
             raise RunDirError(
-                f"run directory {path} is a sweep's directory ({', '.join(sweep)}); a run "
-                "there would hide the sweep's runs from fedbench-report: choose another one"
+                f"run directory {path} holds a sweep or other runs ({', '.join(sweep)}); a run "
+                "there would hide them from fedbench-report: choose another one"
             )
         remove_orphans(path)
         if (path / ".hydra").is_dir():

@@ -63,7 +63,7 @@ def test_runs_and_sweeps_keep_out_of_each_others_directories(tmp_path):
     fake_run(bare / "a" / "seed=1", finished=False)
     before = snapshot(tmp_path)
     for extra in ([], ["resume=true"], ["resume=auto"]):
-        refused([*extra, f"hydra.run.dir={sweep}"], "is a sweep's directory (multirun.yaml")
+        refused([*extra, f"hydra.run.dir={sweep}"], "holds a sweep or other runs (multirun.yaml")
     refused([f"hydra.run.dir={bare}"], "1 run in its subfolders")
     refused(["-m", "seed=0,1", f"hydra.sweep.dir={run}"], "holds a run (summary.json")
     refused([f"hydra.run.dir={run / 'sub'}"], f"inside the run directory {run}")

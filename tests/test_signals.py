@@ -151,8 +151,9 @@ def hook(point: str, monkeypatch, sig: int) -> None:
         after_write(monkeypatch, "atomic_write_text", ".hydra/config.yaml", sig=sig)
     elif point == "partition":  # partition.json written, the loop not yet started
         after_write(monkeypatch, "atomic_write_json", "partition.json", sig=sig)
-    elif point == "partition-twice":  # ... and a second signal while the first is handled
-        after_write(monkeypatch, "atomic_write_json", "partition.json", sig=sig, times=2)
+    elif point == "partition-twice":  # ... and a second one while the first is handled
+        after_write(monkeypatch, "atomic_write_json", "partition.json", sig=sig)
+        before(monkeypatch, cli, "_clean_stopped", sig=sig)
     elif point == "round-2":
         in_round(monkeypatch, 2, sig=sig)
     elif point == "last-round":
