@@ -5,7 +5,7 @@ same number of trials, each trial the same seeds and rounds, its search space fr
 conf/search/<algo>.yaml (the learning rate over one range for all, and at most 3 of its own
 hyperparameters), and the same objective: `objective.metric` (auto: the validation accuracy of
 the personalized model at the validation-selected round), averaged over the trial's seeds.
-When a study has all its trials, its winner is written as conf/tuned/<federation>/<algo>.yaml,
+When a study has all its trials, its winner is written as <federation>/<algo>.yaml in conf/tuned/,
 which `tuned=<federation>` applies (conf/config.yaml's defaults; docs/leaderboard.md).
 
     python -m fedbench.tune fmnist_pat2 --algos fedavg,ditto --trials 12 --seeds 100
@@ -77,7 +77,12 @@ class TuneError(FedbenchError):
 
 
 class Interrupted(Exception):
-    """A trial's run was stopped by a signal: the study stops and resumes when run again."""
+    """A trial's run was stopped by a signal: the study stops and resumes when run again.
+    `code`: the exit code to end with (128 + the signal)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 # --------------------------------------------------------------------------- configs
@@ -416,7 +421,8 @@ def run_one(study: Study, trial: Trial, seed: int, quiet: bool) -> RunOutcome:
                 sys.stderr.write(line)
     rc = proc.returncode
     if rc < 0 or rc in (128 + signal.SIGINT, 128 + signal.SIGTERM):
-        raise Interrupted(f"{study.algo} trial {trial.number + 1} seed {seed} was stopped")
+        code = 128 + (-rc if rc < 0 else rc - 128)
+        raise Interrupted(f"{study.algo} trial {trial.number + 1} seed {seed} was stopped", code)
     if rc != 0:
         error_file = where / ERROR_FILE
         if error_file.is_file():  # the run started and failed: the trial's values
@@ -533,24 +539,23 @@ def _shown(path: Path) -> str:
 
 
 def tuned_text(study: Study, winner: Trial, trials: list[Trial]) -> str:
-    """conf/tuned/<federation>/<algo>.yaml: the winner, with the study in its header."""
+    """<federation>/<algo>.yaml in conf/tuned/: the winner, with the study in its header."""
     done = sum(t.state == "complete" for t in trials)
     seeds = ", ".join(str(s) for s in study.seeds)
     metric = winner.metric or study.objective
     at = "the validation-selected round" if ".V." in metric else "the selected round"
     lines = [
         "# @package _global_",
-        f"# {study.algo} tuned on federation {study.federation} (conf/federation/"
-        f"{study.federation}.yaml) by an equal-budget study (python -m fedbench.tune,",
-        "# docs/leaderboard.md); applied by",
+        f"# {study.algo} tuned on federation {study.federation} by an equal-budget study",
+        "# (python -m fedbench.tune; docs/leaderboard.md), applied by",
         f"#   fedbench +federation={study.federation} tuned={study.federation} algo={study.algo}",
         f"# study: {study.trials} trials ({done} complete, {len(trials) - done} failed), "
-        f"{study.rounds} rounds, seed(s) {seeds}",
-        f"#   (the objective is the mean over them), objective {metric} at {at},",
-        f"#   TPE sampler (seed {study.sampler_seed}, the first {study.startup} trials at random), "
-        f"search space conf/search/{study.algo}.yaml",
-        f"# best: trial {winner.number + 1} of {study.trials}, objective {winner.value:.6g}; "
-        f"written {_dt.date.today().isoformat()}; the study: {_shown(study.folder)}",
+        f"{study.rounds} rounds, seed(s) {seeds};",
+        f"#   objective {metric} at {at}, mean over the seeds;",
+        f"#   TPE sampler seed {study.sampler_seed}, the first {study.startup} trials at random;",
+        f"#   search space conf/search/{study.algo}.yaml",
+        f"# best: trial {winner.number + 1} of {study.trials}, objective {winner.value:.6g}",
+        f"# written {_dt.date.today().isoformat()}; the study: {_shown(study.folder)}",
     ]
     if study.identity()["overrides"]:
         lines.append(f"# every run also had: {' '.join(study.identity()['overrides'])}")
@@ -559,7 +564,7 @@ def tuned_text(study: Study, winner: Trial, trials: list[Trial]) -> str:
 
 
 FEDERATION_TUNED = """# @package _global_
-# The winners of the equal-budget studies on federation {fed} (conf/tuned/{fed}/<algo>.yaml,
+# The winners of the equal-budget studies on federation {fed} ({fed}/<algo>.yaml in conf/tuned/,
 # written by python -m fedbench.tune / scripts/tune.sh; docs/leaderboard.md). tuned={fed}
 # applies the file of the run's algorithm (conf/config.yaml's defaults), where it has one.
 """
@@ -597,7 +602,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m fedbench.tune",
         description="Equal-budget tuning: one study per algorithm on a named federation "
-        "(conf/federation/<name>.yaml); the winners go to conf/tuned/<federation>/<algo>.yaml, "
+        "(conf/federation/<name>.yaml); the winners go to conf/tuned/ as <federation>/<algo>.yaml, "
         "applied by tuned=<federation>. Run the same command again to continue a study.",
     )
     p.add_argument("federation", help="a federation: conf/federation/<name>.yaml")
@@ -668,7 +673,7 @@ def make_studies(args: argparse.Namespace) -> list[Study]:
             rounds=args.rounds or 0,
             objective=args.objective,
             sampler_seed=args.sampler_seed,
-            startup=max(1, startup),
+            startup=startup,
             overrides=tuple(args.overrides),
             space=search_space(algo),
             folder=Path(args.out) / args.federation / algo,
@@ -734,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except Interrupted as e:
         print(f"fedbench.tune: {e}; run the same command again to continue", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return e.code
     except KeyboardInterrupt:
         print("fedbench.tune: interrupted; run the same command again to continue",
               file=sys.stderr)  # fmt: skip

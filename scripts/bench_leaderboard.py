@@ -30,6 +30,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from fedbench.algorithms import ALGORITHMS  # noqa: E402
@@ -51,8 +52,10 @@ def start_seconds() -> float:
     return float(out.strip().splitlines()[-1])
 
 
-def measure(federation: str, algo: str, rounds: int, backend: str) -> tuple[float, float]:
-    """(setup CPU s, CPU s per round) of one run of `rounds` rounds."""
+def measure(federation: str, algo: str, rounds: int, backend: str) -> tuple[float, float, float]:
+    """(setup CPU s, the first round's CPU s, CPU s per later round) of one run of `rounds`
+    rounds; a round's time includes its evaluation when one is due (every eval.every), and
+    the first round's the engine's warm-up (vmap's compilation)."""
     cfg = compose_run(
         [
             f"+federation={federation}",
@@ -67,17 +70,26 @@ def measure(federation: str, algo: str, rounds: int, backend: str) -> tuple[floa
         t0 = time.process_time()
         run = Run(cfg, Path(tmp) / "run", progress=False)
         t1 = time.process_time()
+        marks = []  # CPU time as each round starts (the runner samples its clients first)
+        sample = run.sample
+
+        def timed():
+            marks.append(time.process_time())
+            return sample()
+
+        run.sample = timed
         run.run()
-        t2 = time.process_time()
-    return t1 - t0, (t2 - t1) / rounds
+        marks.append(time.process_time())
+    steps = np.diff(marks)
+    return t1 - t0, float(steps[0]), float(steps[1:].mean())
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--federations", default="fmnist_pat2,fmnist_dir03")
-    p.add_argument("--algos", default=DEFAULT_ALGOS, help="comma list")
+    p.add_argument("--algos", default=DEFAULT_ALGOS, help="comma list, or all")
     p.add_argument("--rounds", type=int, default=10, help="rounds measured per run")
-    p.add_argument("--backend", default="sequential", help="engine.backend of the runs")
+    p.add_argument("--backend", default="auto", help="engine.backend of the runs (auto)")
     p.add_argument("--trials", type=int, default=12, help="trials per study (budget)")
     p.add_argument("--tune-seeds", type=int, default=1, help="seeds per trial (budget)")
     p.add_argument("--seeds", type=int, default=5, help="leaderboard seeds (budget)")
@@ -91,12 +103,15 @@ def main() -> None:
     for fed in args.federations.split(","):
         full = args.full_rounds or int(compose_run([f"+federation={fed}"]).rounds)
         print(f"\n{fed}: {args.rounds} rounds measured, {full} rounds budgeted")
-        print(f"{'algo':12s} {'setup s':>8s} {'s/round':>8s} {'run s':>8s}")
+        print(f"{'algo':12s} {'setup s':>8s} {'round 1':>8s} {'s/round':>8s} {'run s':>8s}")
         per_run = {}
-        for algo in args.algos.split(","):
-            setup, spr = measure(fed, algo, args.rounds, args.backend)
-            per_run[algo] = start + setup + full * spr
-            print(f"{algo:12s} {setup:8.2f} {spr:8.3f} {per_run[algo]:8.1f}")
+        algos = sorted(ALGORITHMS.names()) if args.algos == "all" else args.algos.split(",")
+        for algo in algos:
+            setup, first, spr = measure(fed, algo, args.rounds, args.backend)
+            per_run[algo] = start + setup + first + (full - 1) * spr
+            print(
+                f"{algo:12s} {setup:8.2f} {first:8.2f} {spr:8.3f} {per_run[algo]:8.1f}", flush=True
+            )
         median = statistics.median(per_run.values())
         total_run = sum(per_run.values()) + median * (n_algos - len(per_run))
         tune = args.trials * args.tune_seeds * total_run

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The leaderboard (docs/leaderboard.md): every registered algorithm with its tuned values
-# (tuned=<federation>: conf/tuned/<federation>/<algo>.yaml, from scripts/tune.sh) on each
+# (tuned=<federation>: <federation>/<algo>.yaml in conf/tuned/, from scripts/tune.sh) on each
 # named federation (conf/federation/<name>.yaml), over 5 seeds; then the report
 # (fedbench-report --preset leaderboard: ranks, Friedman and Nemenyi, paired differences from
 # FedAvg and Local, the CD diagram, accuracy against communication and time).

@@ -3,7 +3,7 @@
 # one study per algorithm and federation (python -m fedbench.tune), with the same number of
 # trials, the same rounds and seeds for every method, and the validation objective
 # (objective.metric=auto: the personalized model's V avg at the validation-selected round).
-# Each study's winner goes to conf/tuned/<federation>/<algo>.yaml, which tuned=<federation>
+# Each study's winner goes to conf/tuned/ as <federation>/<algo>.yaml, which tuned=<federation>
 # applies (scripts/leaderboard.sh runs every method so).
 #
 #   scripts/tune.sh                                  # every algorithm on both federations
