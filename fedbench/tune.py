@@ -47,6 +47,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -70,6 +71,7 @@ SIG_DIGITS = 3  # a drawn float is rounded to 3 significant digits (readable, an
 STUDY_FILE = "study.json"
 TRIAL_FILE = "trial.json"
 STATES = ("running", "complete", "failed")
+ERROR_FILE = "error.txt"  # fedbench.runner.ERROR_FILE (not imported: it needs torch)
 
 
 class TuneError(FedbenchError):
@@ -399,12 +401,11 @@ class RunOutcome:
 def run_one(study: Study, trial: Trial, seed: int, quiet: bool) -> RunOutcome:
     """One run of a trial: `fedbench ... resume=auto` in its fixed directory. Raises
     Interrupted (a signal), TuneError (refused before it ran: the study's fault)."""
-    from fedbench.runner import ERROR_FILE
-
     where = run_dir(study, trial.number, seed)
     argv = [*fedbench_argv(), *command(study, trial, seed)[1:]]
     linux = sys.platform.startswith("linux")
     last: deque[str] = deque(maxlen=5)  # the run's last stderr lines (a refusal's reason)
+    started = time.time()
     with subprocess.Popen(
         argv,
         stdout=subprocess.DEVNULL if quiet else None,
@@ -425,7 +426,8 @@ def run_one(study: Study, trial: Trial, seed: int, quiet: bool) -> RunOutcome:
         raise Interrupted(f"{study.algo} trial {trial.number + 1} seed {seed} was stopped", code)
     if rc != 0:
         error_file = where / ERROR_FILE
-        if error_file.is_file():  # the run started and failed: the trial's values
+        # the run started and failed (its error.txt is this attempt's): the trial's values
+        if error_file.is_file() and error_file.stat().st_mtime >= started - 1:
             text = error_file.read_text(errors="replace").strip()
             return RunOutcome(seed, None, None, (text.splitlines() or ["failed"])[0][:500])
         raise TuneError(

@@ -192,6 +192,55 @@ def test_the_loop_resumes_a_running_trial_first_and_stops_at_the_budget(tmp_path
     assert [n for n, _ in ran] == [3] and more.number == 2  # 0.3 again: the earlier wins
 
 
+# A stand-in for `fedbench` (tune.fedbench_argv): acts as FAKE says in its hydra.run.dir.
+FAKE_RUN = """
+import json, os, signal, sys
+where = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("hydra.run.dir="))
+os.makedirs(where, exist_ok=True)
+act = os.environ["FAKE"]
+if act == "ok":
+    obj = {"metric": "personal.V.avg", "value": 0.25 + 0.5 * ("seed=101" in sys.argv)}
+    json.dump({"objective": obj}, open(os.path.join(where, "summary.json"), "w"))
+elif act == "fail":
+    open(os.path.join(where, "error.txt"), "w").write("loss is NaN at round 3\\nmore\\n")
+    sys.exit(1)
+elif act == "refuse":
+    print("fedbench: algo.lam=-1 must be >= 0", file=sys.stderr)
+    sys.exit(2)
+else:
+    os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("act", ["ok", "fail", "refuse", "killed"])
+def test_a_trials_runs_end_as_complete_failed_refused_or_interrupted(tmp_path, monkeypatch, act):
+    """The mean over the seeds; a run's error.txt fails the trial (the study goes on); a
+    refusal before the run stops the study (one line); a signal stops it to resume."""
+    monkeypatch.setattr(tune, "fedbench_argv", lambda: [sys.executable, "-c", FAKE_RUN])
+    monkeypatch.setenv("FAKE", act)
+    s = study(tmp_path, seeds=(100, 101))
+    trial = tune.Trial(0, {"optim.lr": 0.01})
+    if act == "ok":
+        done = tune.run_trial(s, trial, quiet=True)
+        assert (done.state, done.value) == ("complete", 0.5)
+        assert done.values == {"100": 0.25, "101": 0.75}
+        assert json.loads((s.folder / "trial_000" / "trial.json").read_text())["value"] == 0.5
+    elif act == "fail":
+        done = tune.run_trial(s, trial, quiet=True)
+        assert done.state == "failed" and done.value is None
+        assert done.error == "seed 100: loss is NaN at round 3; seed 101: loss is NaN at round 3"
+    elif act == "refuse":
+        with pytest.raises(tune.TuneError, match=r"trial 1 seed 100 was refused: algo.lam=-1"):
+            tune.run_trial(s, trial, quiet=True)
+    else:
+        with pytest.raises(tune.Interrupted) as e:
+            tune.run_trial(s, trial, quiet=True)
+        assert e.value.code == 128 + signal.SIGTERM
+    if act != "ok" and act != "fail":
+        assert not (s.folder / "trial_000" / "trial.json").exists()  # still to run
+
+
 # --------------------------------------------------------------------------- the winners
 def compose_with(conf: Path, overrides: list[str]):
     return tune.compose_run([*overrides, f"hydra.searchpath=[file://{conf}]"])
@@ -348,8 +397,12 @@ def test_a_study_killed_mid_trial_finishes_its_budget_when_run_again(tmp_path):
     before = trials_of(out)
     cut = {k: t["params"] for k, t in before.items() if t["state"] == "running"}
 
-    r = subprocess.run(tune_cmd(out, conf / "tuned"), env=ENV, cwd=tmp_path, text=True,
-                       capture_output=True, timeout=600)  # fmt: skip
+    # the same study through the script: its arguments must make the same study
+    script_env = {**ENV, "ALGOS": "fedavg ditto", "TRIALS": "2", "ROUNDS": "2", "SEEDS": "100",
+                  "OUT": str(out), "TUNED_DIR": str(conf / "tuned"), "EXTRA": " ".join(TINY),
+                  "PYTHON": sys.executable}  # fmt: skip
+    r = subprocess.run(["bash", str(REPO / "scripts" / "tune.sh"), "fmnist_pat2"], env=script_env,
+                       cwd=tmp_path, text=True, capture_output=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     after = trials_of(out)
     assert sorted(after) == [f"{a}/trial_00{n}" for a in ("ditto", "fedavg") for n in (0, 1)]
