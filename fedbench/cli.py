@@ -21,7 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 from fedbench.errors import FedbenchError
 from fedbench.paths import CONF_DIR  # noqa: E402 (after the stdlib imports above)
 
-GROUPS = ("data", "split", "model", "algo", "server_opt", "experiment", "paper", "search")
+GROUPS = (
+    "data", "split", "model", "algo", "server_opt", "experiment", "paper", "search", "federation",
+    "tuned",
+)  # fmt: skip
 EXIT_BAD_INPUT = 2
 
 log = logging.getLogger("fedbench")
@@ -370,6 +373,8 @@ def _experiment_hint(err: Exception) -> str | None:
     text = str(err)
     if "Could not override 'experiment'" in text:
         return "fedbench: experiment is added, not overridden: write +experiment=<preset>"
+    if "Multiple values for tuned" in text or "tuned appears more than once" in text:
+        return "fedbench: tuned is chosen, not added: write tuned=<federation> (no +)"
     return None
 
 

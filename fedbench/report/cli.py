@@ -141,8 +141,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--preset",
         metavar="NAME",
-        help=f"a paper's table layout with its printed numbers beside ours: "
-        f"{', '.join(presets.PRESETS)}",
+        help=f"a paper's table layout with its printed numbers beside ours, or leaderboard "
+        f"(every algorithm on named federations: docs/leaderboard.md): "
+        f"{', '.join(presets.names())}",
     )
     p.add_argument(
         "--compact",
@@ -425,7 +426,8 @@ def _main(argv: list[str] | None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.list_presets:
         lines = [
-            f"{name:20s} {p.title} (select {p.select})\n" for name, p in presets.PRESETS.items()
+            f"{name:20s} {p.title} (select {p.select})\n"
+            for name, p in ((n, presets.get(n)) for n in presets.names())
         ]
         emit("".join(lines))
         return 0

@@ -207,6 +207,8 @@ def read_run(path: str | os.PathLike) -> RunDir:
                 config[k] = summary[k]
                 if k in ALIASES:
                     config[ALIASES[k]] = summary[k]
+    for group, option in hydra_choices(path / ".hydra" / "hydra.yaml").items():
+        config.setdefault(group, option)  # the named federation and tuned values chosen
     per_round = clients_per_round(config.get("participation"), config.get("clients"))
     if per_round is not None:
         config["per_round"] = per_round
@@ -219,6 +221,36 @@ def read_run(path: str | os.PathLike) -> RunDir:
             problems.append(f"metrics.csv: {why}")
         run.__dict__["metrics"] = metrics  # the cached_property's value
     return run
+
+
+# Config groups whose chosen option is a fact of the run that its values do not name: the
+# federation preset (+federation=<name>) and the tuned values applied (tuned=<federation>).
+CHOICE_KEYS = ("federation", "tuned")
+_CHOICE = re.compile(r"^      ([A-Za-z_][\w@/]*): (.*)$")
+
+
+def hydra_choices(path: Path) -> dict[str, str]:
+    """CHOICE_KEYS' options as Hydra recorded them (`hydra.runtime.choices` in the run's
+    .hydra/hydra.yaml, which the runner writes): a scan of that block only, not a parse of
+    the whole file. {} when the file or the block is absent."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return {}
+    out: dict[str, str] = {}
+    lines = text.splitlines()
+    try:
+        start = lines.index("    choices:") + 1
+    except ValueError:
+        return {}
+    for line in lines[start:]:
+        m = _CHOICE.match(line)
+        if m is None:
+            break
+        key, value = m.group(1), m.group(2).strip()
+        if key in CHOICE_KEYS and value not in ("null", "''"):
+            out[key] = value
+    return out
 
 
 def is_run_dir(path: Path) -> bool:

@@ -277,6 +277,7 @@ def page(
     if command:
         parts.append(f'<p class="notes">made by <code>{_e(command)}</code> on {_e(stamp)}</p>')
     parts += ["</header>", '<section id="table">', "<h2>Results</h2>", table_html(table)]
+    parts += [table_html(t) for t in table.sections]
     parts += ["</section>", '<section id="varied">', "<h2>What varied across runs</h2>"]
     keys = varied(runs)
     if keys:

@@ -56,7 +56,8 @@ def write_plots(
     except OSError as e:
         raise ReportError(f"cannot create {out}: {e.strerror or e}") from None
     written = []
-    for name, draw in (("curves", _curves), ("clients", _clients), ("lsg", _lsg)):
+    extra = [(name, lambda _, draw=draw: draw()) for name, draw in table.figures]
+    for name, draw in (("curves", _curves), ("clients", _clients), ("lsg", _lsg), *extra):
         fig = draw(table)
         if fig is not None:
             path = out / f"{name}.png"

@@ -884,7 +884,22 @@ def _fedpg_presets() -> tuple[Preset, ...]:
 PRESETS.update({p.name: p for p in _fedpg_presets()})
 
 
+# --------------------------------------------------------------------------- not a paper's
+# Layouts with the presets' interface (name, title, select, build) and no paper numbers: the
+# leaderboard (fedbench/report/leaderboard.py). PRESETS holds the papers' tables only.
+from fedbench.report.leaderboard import LeaderboardPreset  # noqa: E402 (after the papers')
+
+TABLES: dict[str, Any] = {LeaderboardPreset.name: LeaderboardPreset()}
+
+
+def names() -> list[str]:
+    """Every --preset name: the papers' tables, then the others."""
+    return [*PRESETS, *TABLES]
+
+
 def get(name: str) -> Preset:
+    if name in TABLES:
+        return TABLES[name]
     if name not in PRESETS:
-        raise ReportError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+        raise ReportError(f"unknown preset {name!r}; valid: {', '.join(names())}")
     return PRESETS[name]

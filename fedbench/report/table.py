@@ -110,6 +110,10 @@ class Table:
     cell_notes: dict[CellKey, list[str]] = field(default_factory=dict)  # "(lr=0.05)"
     cell_suffix: dict[CellKey, str] = field(default_factory=dict)  # after the notes
     csv_extra: dict[CellKey, dict[str, Any]] = field(default_factory=dict)  # more CSV columns
+    texts: dict[CellKey, str] = field(default_factory=dict)  # cells shown as this text (ranks)
+    sections: list[Table] = field(default_factory=list)  # tables printed after this one
+    # more figures for --plots / --html: (file stem, a function that draws one or None)
+    figures: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)
 
     def col_label(self, j: int) -> str:
         if self.col_labels is not None:
@@ -417,6 +421,9 @@ def number(table: Table, metric: str | None, x: float) -> str:
 
 
 def cell_text(table: Table, i: int, j: int, stat: str, pm: str = " ± ", dash=MISSING) -> str:
+    key = (table.rows[i], table.cols[j], stat)
+    if key in table.texts:
+        return table.texts[key]
     metric = table.metric.get((table.rows[i], stat))
     if metric is None:
         return ""
@@ -427,7 +434,6 @@ def cell_text(table: Table, i: int, j: int, stat: str, pm: str = " ± ", dash=MI
     text = number(table, metric, cell.mean)
     if cell.std is not None:
         text += pm + number(table, metric, cell.std)
-    key = (table.rows[i], table.cols[j], stat)
     notes = []
     if cell.n != table.typical_n:
         notes.append(f"n={cell.n}")
@@ -635,10 +641,23 @@ RENDER = {"terminal": to_terminal, "markdown": to_markdown, "latex": to_latex, "
 EXTENSION = {"terminal": "txt", "markdown": "md", "latex": "tex", "csv": "csv"}
 
 
+def _short_title(table: Table) -> str:
+    """A table's name in a CSV of several: its title up to the first ' (' or ':'."""
+    return table.title.split(" (", 1)[0].split(":", 1)[0]
+
+
 def render(table: Table, fmt: str) -> str:
+    """The table in `fmt`, its sections after it (CSV: one frame, a `table` column saying
+    whose line each is)."""
     if fmt not in RENDER:
         raise ReportError(f"unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
-    return RENDER[fmt](table)
+    if not table.sections:
+        return RENDER[fmt](table)
+    if fmt == "csv":
+        frames = [tidy(t).assign(table=_short_title(t)) for t in (table, *table.sections)]
+        frame = pd.concat(frames, ignore_index=True)
+        return frame.to_csv(index=False, lineterminator="\n", float_format="%.10g")
+    return "\n".join(RENDER[fmt](t) for t in (table, *table.sections))
 
 
 def values_of(table: Table, row: Any, col: Any, stat: str) -> Cell:
