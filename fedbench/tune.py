@@ -482,12 +482,12 @@ def run_study(
 ) -> Trial | None:
     """Run the study's trials that are not done (resuming one left running), and return its
     winner once it has all its trials (None: every trial failed)."""
-    from fedbench.rundir import RunDir, RunDirError
+    from fedbench.rundir import RunDirError, SweepDir
 
-    try:
-        lock = RunDir.claim(study.folder, resume=True)
+    try:  # a study is a sweep of trials: one process at a time, its runs below it
+        lock = SweepDir.claim(study.folder)
     except RunDirError as e:
-        raise TuneError(str(e).replace("run directory", "study directory", 1)) from None
+        raise TuneError(str(e).replace("sweep directory", "study directory", 1)) from None
     with lock:
         check_identity(study)
         trials = load_trials(study)
