@@ -56,7 +56,7 @@ DEFAULT_ROUNDS = 3
 EXIT_DRIFT = 1
 EXIT_BAD_INPUT = 2
 
-# Measured (docs/reproduction/README.md#pinned-results): the same cells re-run with the
+# Measured (results/README.md): the same cells re-run with the
 # sequential and the vmap backend, and with 1 and 2 threads, on this project's CPUs (AMD
 # EPYC, torch 2.14.1) differ by at most these. ACC_TOL is in accuracy points on the means
 # over clients; REL_TOL is relative, on every other number but wall_time_s.
@@ -159,7 +159,7 @@ def save_pins(root: Path, renewed: dict) -> None:
             "about": "Pins renewed on purpose (python -m fedbench.pinned --renew): the rows "
             "today's code computes for a cell whose recorded metrics.csv it no longer "
             "reproduces, and why. Every other cell in results/ is pinned to its own "
-            "metrics.csv. docs/reproduction/README.md#pinned-results",
+            "metrics.csv. results/README.md",
             "renewed": dict(sorted(renewed.items())),
         },
         indent=1,

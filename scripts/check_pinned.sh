@@ -10,7 +10,7 @@
 #   scripts/check_pinned.sh --renew --reason "why" CELL...   # renew pins, on purpose
 #
 # Exact on the machine and torch that made a cell (its summary's provenance), within the
-# measured tolerance elsewhere: fedbench/pinned.py, docs/reproduction/README.md.
+# measured tolerance elsewhere: fedbench/pinned.py, results/README.md.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 exec "${PYTHON:-python}" -m fedbench.pinned "$@"

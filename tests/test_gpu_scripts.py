@@ -97,12 +97,12 @@ def test_the_quick_tests_outcome_is_read_from_the_xml_or_from_the_log(tmp_path):
     # stopped by the time limit: no XML, the verbose log's lines instead
     log = tmp_path / "tests.log"
     log.write_text(
-        "[gw0] [ 1%] PASSED tests/test_a.py::test_ok \n"
-        "[gw1] [ 2%] FAILED tests/test_a.py::test_bad \n"
-        "tests/test_b.py::test_slow \n"
+        "[gw0] [ 1%] PASSED tests/test_device.py::test_ok \n"
+        "[gw1] [ 2%] FAILED tests/test_device.py::test_bad \n"
+        "tests/test_dirs.py::test_slow \n"
     )
     status, summary, details, _ = gpu_check.tests_check(
         "fail", "124", "150", str(tmp_path / "none.xml"), str(log)
     )
     assert status == "fail" and details["counts"] == {"passed": 1, "failed": 1}
-    assert "stopped at its time limit" in summary and "tests/test_a.py::test_bad" in summary
+    assert "stopped at its time limit" in summary and "tests/test_device.py::test_bad" in summary
