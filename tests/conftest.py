@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 from types import ModuleType
 
@@ -230,7 +231,10 @@ def pytest_runtest_logreport(report):
     if report.skipped and not hasattr(report, "wasxfail"):
         longrepr = report.longrepr
         reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
-        _skipped.append({"nodeid": report.nodeid, "reason": reason.removeprefix("Skipped: ")})
+        # xdist's --dist loadgroup appends "@<group>" to a grouped test's id: not part of the
+        # id pytest takes back (a name has no "@"; a parameter id ends with "]")
+        nodeid = re.sub(r"@[^\]]*$", "", report.nodeid)
+        _skipped.append({"nodeid": nodeid, "reason": reason.removeprefix("Skipped: ")})
 
 
 def pytest_sessionfinish(session):

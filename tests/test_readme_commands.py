@@ -107,3 +107,46 @@ def test_the_script_prints_the_command_or_one_line(tmp_path):
     r = subprocess.run([*script, "Two", str(readme)], capture_output=True, text=True)
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.startswith("readme_commands: ") and r.stderr.count("\n") == 1
+
+
+INNER = """
+import pytest
+
+@pytest.mark.quick
+@pytest.mark.xdist_group("g")
+def test_grouped():
+    pytest.skip("needs x: pip install 'fedbench[x]'")
+
+@pytest.mark.quick
+@pytest.mark.parametrize("p", ["a@b"])
+def test_param(p):
+    pytest.skip("why")
+
+@pytest.mark.quick
+def test_runs():
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_skipped_tests_are_recorded_as_ids_pytest_takes_back(tmp_path):
+    """.ci/run's second half runs again the ids that tests/conftest.py recorded in the first
+    (under xdist's loadgroup, whose "@group" suffix is no part of an id pytest takes)."""
+    import json
+    import os
+
+    (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_inner.py").write_text(INNER)
+    out = tmp_path / "skipped.jsonl"
+    env = {**os.environ, "FEDBENCH_SKIPPED_TO": str(out)}
+    pytest_ = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    run = dict(cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*pytest_, "-n", "2", "--dist", "loadgroup", "test_inner.py"], **run)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = sorted((json.loads(line) for line in out.read_text().splitlines()), key=str)
+    assert rows == [
+        {"nodeid": "test_inner.py::test_grouped", "reason": "needs x: pip install 'fedbench[x]'"},
+        {"nodeid": "test_inner.py::test_param[a@b]", "reason": "why"},
+    ]
+    r = subprocess.run([*pytest_, "-n", "0", "--co", *(row["nodeid"] for row in rows)], **run)
+    assert r.returncode == 0 and "2 tests collected" in r.stdout, r.stdout + r.stderr
