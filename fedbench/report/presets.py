@@ -352,7 +352,7 @@ DIVERSIFED_METHODS = (
 )
 # FedAvg's column is its global model; pFedMe takes E epochs of mini-batches per visit (the
 # code DiversiFed ran, PFLlib) and is scored by its personalized model theta_i (the paper's
-# number is theta's, README), FedRoD as PFLlib scores it
+# number is theta's, docs/reproduction/diversifed.md), FedRoD as PFLlib scores it
 # (aggregated body and generic head, personal head); DiversiFed's tau is not stated for
 # Tables I-III (ours 1.0). The presets set these (conf/paper_algo/diversifed/<algo>.yaml).
 DIVERSIFED_ALGO_SETTINGS = {
