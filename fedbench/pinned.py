@@ -178,6 +178,7 @@ class Pin:
     renewed: dict | None
     exact: bool
     why_tolerance: str
+    threads: int | None = None  # torch threads the recorded rows were computed with
 
 
 def pin_text(root: Path, folder: Path, rounds: int = DEFAULT_ROUNDS) -> str:
@@ -202,12 +203,22 @@ def pin_text(root: Path, folder: Path, rounds: int = DEFAULT_ROUNDS) -> str:
     )
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def here() -> dict:
     import torch
 
     from fedbench.provenance import machine
 
-    return {"machine": machine("cpu"), "torch": torch.__version__}
+    return {
+        "machine": machine("cpu"),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def pin_of(cell: Cell, rounds: int, renewed: dict) -> Pin:
@@ -223,9 +234,13 @@ def pin_of(cell: Cell, rounds: int, renewed: dict) -> Pin:
         exact, why = False, "machine not recorded"
     elif made.get("machine") != now["machine"] or made.get("torch") != now["torch"]:
         exact, why = False, f"made on {made.get('machine')}, torch {made.get('torch')}"
+    elif not made.get("threads"):
+        # the same CPU model with another thread count sums in another order
+        exact, why = False, "torch threads not recorded"
     else:
         exact, why = True, ""
-    return Pin(cell, until, rows[rows["round"] <= until].reset_index(drop=True), rec, exact, why)
+    rows = rows[rows["round"] <= until].reset_index(drop=True)
+    return Pin(cell, until, rows, rec, exact, why, made.get("threads"))
 
 
 # --------------------------------------------------------------------------- the re-run
@@ -254,15 +269,16 @@ def recorded_config(cell: Cell, backend: str | None = None):
     return cfg
 
 
-def command_differences(cell: Cell) -> list[str]:
+def command_differences(cell: Cell, today=None) -> list[str]:
     """'key (recorded -> today)' where the cell's one-line command composes, today, to
-    another config than the recorded one (incidental keys aside)."""
+    another config than the recorded one (incidental keys aside). `today`: that composed
+    task config, where the caller has it already (a Hydra compose costs about a second)."""
     from omegaconf import OmegaConf
 
     from fedbench.runner import ABSENT_MEANS
     from fedbench.trees import flat_items, plain
 
-    now = flat_items(plain(_today(cell)))
+    now = flat_items(plain(_today(cell) if today is None else today))
     saved = flat_items(plain(OmegaConf.create(cell.config)))
     missing = object()
     out = []
@@ -286,10 +302,14 @@ def rerun(
 
     from fedbench.runner import Run
 
+    before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
-    cfg = recorded_config(cell, backend)
-    Run(cfg, out, progress=False).run(until=until)
+    try:
+        cfg = recorded_config(cell, backend)
+        Run(cfg, out, progress=False).run(until=until)
+    finally:
+        torch.set_num_threads(before)
     return pd.read_csv(out / "metrics.csv")
 
 
@@ -366,6 +386,7 @@ class Outcome:
     line: str
     diff: Diff | None = None
     rows: pd.DataFrame | None = None
+    threads: int | None = None  # torch threads of the re-run
 
 
 def check(
@@ -377,6 +398,11 @@ def check(
     exact: bool | None = None,
 ) -> Outcome:
     cell = pin.cell
+    # on the recorded machine, the recorded thread count (another sums in another order)
+    if threads is None:
+        threads = pin.threads
+    elif pin.threads and threads != pin.threads and exact is None:
+        exact = False
     t0 = time.perf_counter()
     try:
         config_diff = command_differences(cell)
@@ -406,7 +432,7 @@ def check(
         if d.rel_where:
             how += f" ({d.rel_where})"
     rule = (
-        "exact (same machine and torch)"
+        "exact (same machine, torch and threads)"
         if must_be_exact
         else f"tolerance {acc_tol:g} points / {rel_tol:g} relative ({pin.why_tolerance or 'asked'})"
     )
@@ -416,7 +442,7 @@ def check(
         line += f"\n       {p}"
     for c in config_diff:
         line += f"\n       command composes another config today: {c}"
-    return Outcome(cell.name, status, line, d, got)
+    return Outcome(cell.name, status, line, d, got, threads or torch_threads())
 
 
 def estimate_s(pin: Pin) -> float:
@@ -445,7 +471,11 @@ def parser() -> argparse.ArgumentParser:
                    help="re-run to the first recorded evaluation at or after round K "
                    f"(default {DEFAULT_ROUNDS})")  # fmt: skip
     p.add_argument("--sample", type=int, metavar="N", help="N cells drawn at random")
-    p.add_argument("--seed", type=int, help="the draw of --sample (default: a new one, printed)")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="cells drawn at random (with --sample: at most N) while their "
+                   "estimated re-run times fit SECONDS (CI's sample)")  # fmt: skip
+    p.add_argument("--seed", type=int, help="the draw of --sample / --budget (default: a new "
+                   "one, printed)")  # fmt: skip
     p.add_argument("--tolerance", type=float, default=ACC_TOL, metavar="POINTS",
                    help=f"mean-accuracy tolerance, points (default {ACC_TOL})")  # fmt: skip
     p.add_argument("--rel-tolerance", type=float, default=REL_TOL, metavar="R",
@@ -482,15 +512,20 @@ def _main(args: argparse.Namespace) -> int:
         raise PinError("--renew needs --reason TEXT (why today's code moves these cells)")
     if args.renew and not args.cells:
         raise PinError("--renew names the cells it renews")
+    if args.budget is not None and args.budget <= 0:
+        raise PinError(f"--budget {args.budget:g}: must be > 0 seconds")
     cells = find_cells(root, args.cells)
-    if args.sample is not None:
-        if args.sample < 1:
+    renewed = load_pins(root)
+    if args.sample is not None or args.budget is not None:
+        if args.sample is not None and args.sample < 1:
             raise PinError(f"--sample {args.sample}: must be >= 1")
         seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
-        cells = sorted(random.Random(seed).sample(cells, min(args.sample, len(cells))),
-                       key=lambda c: c.name)  # fmt: skip
+        drawn = random.Random(seed).sample(cells, len(cells))[: args.sample or len(cells)]
+        if args.budget is not None:
+            drawn, spent = _fit(drawn, args.budget, args.rounds, renewed)
+            print(f"within --budget {args.budget:g} s: ~{spent:.0f} s")
+        cells = sorted(drawn, key=lambda c: c.name)
         print(f"sample of {len(cells)} (--seed {seed})")
-    renewed = load_pins(root)
     # cheapest first: a drift shows as early as it can
     pins = sorted((pin_of(c, args.rounds, renewed) for c in cells), key=estimate_s)
     total = sum(estimate_s(p) for p in pins)
@@ -519,6 +554,21 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fit(cells: list[Cell], budget: float, rounds: int, renewed: dict) -> tuple[list[Cell], float]:
+    """The cells, in the order given, whose estimates fit `budget` seconds together (one
+    that does not fit is passed over; the cheapest is kept if none fits)."""
+    est = {c.name: estimate_s(pin_of(c, rounds, renewed)) for c in cells}
+    kept, spent = [], 0.0
+    for c in cells:
+        if spent + est[c.name] <= budget:
+            kept.append(c)
+            spent += est[c.name]
+    if not kept and cells:
+        kept = [min(cells, key=lambda c: est[c.name])]
+        spent = est[kept[0].name]
+    return kept, spent
+
+
 def _plain_row(row: dict) -> dict:
     """A row with Python numbers (json writes floats by repr: every bit kept)."""
     return {k: v.item() if hasattr(v, "item") else v for k, v in row.items()}
@@ -538,6 +588,7 @@ def _renew(root: Path, renewed: dict, outcomes: list[Outcome], reason: str) -> i
             "reason": reason,
             "commit": code_commit(),
             **here(),
+            "threads": o.threads,
             "until": until,
             "rows": [_plain_row(r) for r in rows.to_dict(orient="records")],
         }

@@ -65,5 +65,7 @@ def provenance(data_digest: str, device: str = "cpu") -> dict:
         "commit": code_commit(),
         "torch": torch.__version__,
         "machine": machine(device),
+        # torch's intra-op threads: another count sums in another order (other last bits)
+        "threads": torch.get_num_threads(),
         "data_digest": data_digest,
     }

@@ -5,6 +5,7 @@
 #
 #   scripts/check_pinned.sh                        # every cell (about an hour here)
 #   scripts/check_pinned.sh --sample 3             # 3 cells at random (the draw is printed)
+#   scripts/check_pinned.sh --budget 300           # cells at random while ~300 s fit (CI)
 #   scripts/check_pinned.sh --rounds 5 results/diversifed/table1_fmnist
 #   scripts/check_pinned.sh --list                 # the cells, rounds to re-run, estimates
 #   scripts/check_pinned.sh --renew --reason "why" CELL...   # renew pins, on purpose

@@ -16,7 +16,9 @@ from conftest import fmnist_available
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench_algorithms.py"
-ALGOS = ["fedavg", "ditto", "pfedme"]
+# pFedMe's multiple (R = 20 batches x K = 5 passes) would cost 25 FedAvg rounds per setting
+# here; its derivation is printed in the full table (docs/performance.md)
+ALGOS = ["fedavg", "ditto"]
 
 
 def _script():
@@ -60,8 +62,6 @@ def test_quick_run_writes_the_table(tmp_path):
     # the arithmetic, from the definitions: quick MLP n = 40, CNN n = 30, B = 10, E = 1
     assert [by["fedavg"][f"{s} multiple"] for s in ("MLP", "CNN")] == ["1.00", "1.00"]
     assert [by["ditto"][f"{s} multiple"] for s in ("MLP", "CNN")] == ["2.00", "2.00"]
-    # pFedMe: R = 20 batches of B = 10, K = 5 passes each, over n samples
-    assert [by["pfedme"][f"{s} multiple"] for s in ("MLP", "CNN")] == ["25.00", "33.33"]
     for r in rows:
         assert r["backend"].startswith("MLP ") and "; CNN " in r["backend"]
         for s in ("MLP", "CNN"):

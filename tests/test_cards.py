@@ -77,10 +77,12 @@ def test_every_command_is_accepted_as_printed_and_gives_the_recorded_config(made
         with pytest.MonkeyPatch.context() as mp:
             mp.chdir(tmp_path)
             assert refusal(words[1:]) is None, c.command
-            hydra_dir = OmegaConf.select(_compose(words[1:]), "hydra.run.dir")
+            composed = _compose(words[1:])
+        hydra_dir = OmegaConf.select(composed, "hydra.run.dir")
         assert hydra_dir.startswith(cards.RERUN_ROOT + "/"), hydra_dir
-        assert task_config(_compose(words[1:])).algo.name == c.algo
-        assert command_differences(Cell(RESULTS, folder)) == [], c.cell
+        today = task_config(composed)
+        assert today.algo.name == c.algo
+        assert command_differences(Cell(RESULTS, folder), today) == [], c.cell
 
 
 @pytest.mark.quick

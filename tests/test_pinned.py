@@ -96,8 +96,37 @@ def test_exact_only_on_the_recorded_machine_and_torch(tmp_path):
     assert not pin.exact and pin.why_tolerance == "machine not recorded"
     same = _cell(tmp_path / "b", [1], {"rounds": 5, "provenance": here()})
     assert pin_of(same, 3, {}).exact
+    assert pin_of(same, 3, {}).threads == here()["threads"]  # re-run with these
     other = _cell(tmp_path / "c", [1], {"rounds": 5, "provenance": {**here(), "torch": "0.1"}})
     assert not pin_of(other, 3, {}).exact
+    no_threads = {k: v for k, v in here().items() if k != "threads"}  # fedbench <= 0.1 cells
+    older = _cell(tmp_path / "d", [1], {"rounds": 5, "provenance": no_threads})
+    assert pin_of(older, 3, {}).why_tolerance == "torch threads not recorded"
+
+
+@pytest.mark.quick
+def test_a_budget_draws_cells_whose_estimates_fit(tmp_path, capsys):
+    """--budget: cells at random while their estimated re-runs fit (CI's sample); the draw
+    is printed and repeats with its --seed."""
+    from fedbench.pinned import estimate_s, main
+
+    for i, wall in enumerate([10, 20, 40, 400]):
+        _cell(tmp_path / "r" / f"c{i}", [1, 2, 3], {"rounds": 3, "wall_time_s": wall})
+    cells = {c.name: estimate_s(pin_of(c, 3, {})) for c in find_cells(tmp_path / "r")}
+
+    def drawn(*args):
+        assert main(["--root", str(tmp_path / "r"), "--list", *args]) == 0
+        out = capsys.readouterr().out
+        return out, [n for n in cells if f"  {n}: " in out]
+
+    for seed in range(5):
+        out, names = drawn("--budget", "100", "--seed", str(seed))
+        assert f"(--seed {seed})" in out and names
+        assert sum(cells[n] for n in names) <= 100 or len(names) == 1
+        assert drawn("--budget", "100", "--seed", str(seed))[1] == names
+    assert len(drawn("--budget", "1e6", "--sample", "2")[1]) == 2
+    # nothing fits: the cheapest cell alone
+    assert drawn("--budget", "1")[1] == [min(cells, key=cells.get)]
 
 
 @pytest.mark.quick
