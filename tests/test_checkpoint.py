@@ -303,6 +303,8 @@ def copy_of(finished: Path, tmp_path: Path) -> Path:
 @pytest.mark.slow
 @needs_fmnist
 def test_a_crafted_checkpoint_never_runs_its_code(tmp_path, finished):
+    from fedbench.runner import Run
+
     run = copy_of(finished, tmp_path)
     marker = tmp_path / "MARKER"
     state = load_verified(run / "checkpoint.pt")[0]
@@ -310,18 +312,25 @@ def test_a_crafted_checkpoint_never_runs_its_code(tmp_path, finished):
     torch.save(state, run / "checkpoint.pt")
     write_digest(run / "checkpoint.pt")
     before = snapshot(run)
-    for extra in (["rounds=3"], ["rounds=3", "optim.lr=0.5"]):  # a resume; a refused one
-        r = fedbench(*FINISHED, *extra, "resume=true", f"hydra.run.dir={run}", cwd=tmp_path)
-        assert "not checkpoint data" in one_line(r) and not marker.exists(), extra
-        assert snapshot(run) == before
-    (run / "checkpoint.pt.sha256").unlink()  # as an older fedbench's checkpoint
+    # the command line: one line, exit 2, nothing run, nothing written
     r = fedbench(*FINISHED, "rounds=3", "resume=true", f"hydra.run.dir={run}", cwd=tmp_path)
     assert "not checkpoint data" in one_line(r) and not marker.exists()
+    assert snapshot(run) == before
+    # a resume the config check refuses reads the file the same way (in process: the
+    # command line's path to this error is the one above)
+    cfg = compose([*FINISHED, "rounds=3", "optim.lr=0.5", "resume=true"])
+    with pytest.raises(CheckpointError, match="not checkpoint data"):
+        Run(cfg, run, progress=False)
+    assert not marker.exists() and snapshot(run) == before
+    (run / "checkpoint.pt.sha256").unlink()  # as an older fedbench's checkpoint
+    with pytest.raises(CheckpointError, match="not checkpoint data"):
+        load_verified(run / "checkpoint.pt")
+    assert not marker.exists()
+    # a finished run is never loaded: skipped, nothing written
     before = snapshot(run)
-    for mode, said in (("auto", "skipped"), ("true", "to extend it give rounds=<more>")):
-        r = fedbench(*FINISHED, f"resume={mode}", f"hydra.run.dir={run}", cwd=tmp_path)
-        assert r.returncode == 0 and said in r.stdout and r.stderr == "", (mode, r.stderr)
-        assert not marker.exists() and snapshot(run) == before
+    r = fedbench(*FINISHED, "resume=auto", f"hydra.run.dir={run}", cwd=tmp_path)
+    assert r.returncode == 0 and "skipped" in r.stdout and r.stderr == "", r.stderr
+    assert not marker.exists() and snapshot(run) == before
 
 
 @pytest.mark.slow
@@ -337,12 +346,16 @@ def test_a_damaged_checkpoint_is_one_line_and_a_finished_run_is_not_rewritten(tm
     good = (run / "checkpoint.pt").read_bytes()
     mid = len(good) // 2
     garbage = np.random.default_rng(0).integers(0, 256, 20_000, dtype=np.uint8).tobytes()
-    for data in (good[:mid] + garbage + good[mid + 20_000 :], good[:mid], good + b"x" * 100):
+    damaged = [good[:mid] + garbage + good[mid + 20_000 :], good[:mid], good + b"x" * 100]
+    for i, data in enumerate(damaged):
         (run / "checkpoint.pt").write_bytes(data)
         before = snapshot(run)
-        r = fedbench(*FINISHED, "rounds=3", "resume=true", f"hydra.run.dir={run}", cwd=tmp_path)
-        assert "damaged" in one_line(r)
-        assert snapshot(run) == before
+        if i == 0:  # the command line: one line, exit 2, nothing written
+            r = fedbench(*FINISHED, "rounds=3", "resume=true", f"hydra.run.dir={run}", cwd=tmp_path)
+            assert "damaged" in one_line(r)
+            assert snapshot(run) == before
+        with pytest.raises(CheckpointError, match="damaged"):
+            load_verified(run / "checkpoint.pt")
 
 
 @pytest.mark.slow
@@ -357,10 +370,10 @@ def test_a_resume_on_other_data_is_refused_and_a_moved_copy_is_fine(tmp_path, ca
     write_idx(tmp_path / "c" / "t10k-labels-idx1-ubyte", (yt + 1) % 10)
     args = [*TINY, "clients=4", "split.train_per_client=40", "split.test_per_client=20",
             "eval.every=1", "checkpoint.every=1"]  # fmt: skip
+    from fedbench.runner import Run
+
     run = tmp_path / "run"
-    r = fedbench(*args, "rounds=2", f"data.root={tmp_path / 'a'}", f"hydra.run.dir={run}",
-                 cwd=tmp_path)  # fmt: skip
-    assert r.returncode == 0, r.stderr
+    Run(compose([*args, "rounds=2", f"data.root={tmp_path / 'a'}"]), run, progress=False).run()
     digest = json.loads((run / "summary.json").read_text())["provenance"]["data_digest"]
     assert load_verified(run / "checkpoint.pt")[0]["provenance"]["data_digest"] == digest
     before = snapshot(run)
@@ -368,16 +381,13 @@ def test_a_resume_on_other_data_is_refused_and_a_moved_copy_is_fine(tmp_path, ca
                  f"hydra.run.dir={run}", cwd=tmp_path)  # fmt: skip
     assert "not those the run" in one_line(r)
     assert snapshot(run) == before
-    r = fedbench(*args, "rounds=3", f"data.root={tmp_path / 'b'}", "resume=true",
-                 f"hydra.run.dir={run}", cwd=tmp_path)  # fmt: skip
-    assert r.returncode == 0, r.stderr
+    cfg = compose([*args, "rounds=3", f"data.root={tmp_path / 'b'}", "resume=true"])
+    Run(cfg, run, progress=False).run()
     assert json.loads((run / "summary.json").read_text())["final"]["round"] == 3
     # a checkpoint of an older fedbench (no provenance): resumed, with a warning
     state = load_verified(run / "checkpoint.pt")[0]
     del state["provenance"]
     save(run / "checkpoint.pt", state)
-    from fedbench.runner import Run
-
     cfg = compose([*args, "rounds=4", f"data.root={tmp_path / 'c'}", "resume=true"])
     with caplog.at_level(logging.WARNING, logger="fedbench"):
         Run(cfg, run, progress=False)

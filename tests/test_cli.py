@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import zygote
 
 from conftest import CLI_BACKEND, compose, fmnist_available, needs
 
@@ -31,8 +31,8 @@ SMALL = [
 
 
 def fedbench(*args: str, cwd) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-c", "from fedbench.cli import main; main()", *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=ENV)
+    """`fedbench ARGS` as a new process, forked with fedbench imported (tests/zygote.py)."""
+    return zygote.run(args, cwd=cwd, env=ENV, timeout=300)
 
 
 needs_fmnist = pytest.mark.skipif(not fmnist_available(), reason="FMNIST not installed")

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import zygote
 
 from conftest import CLI_BACKEND, fmnist_available
 
@@ -107,8 +108,7 @@ def test_a_second_sweep_into_a_sweep_directory_in_use_is_refused_up_front(tmp_pa
 
     sweep = tmp_path / "sweep"
     with SweepDir.claim(sweep):  # the first sweep, running
-        cmd = [*CLI, "-m", "seed=0,1", *TINY, f"hydra.sweep.dir={sweep}"]
-        r = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+        r = zygote.run(["-m", "seed=0,1", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path, ENV)
         assert r.returncode == 2, r.stderr
         (line,) = r.stderr.splitlines()
         assert f"in use by pid {os.getpid()}" in line and "wait for that sweep" in line, line
@@ -188,9 +188,7 @@ def test_a_later_sweep_finds_its_cells_and_the_report_counts_each_run_once(tmp_p
     sweep = tmp_path / "sweep"
 
     def run(*values: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*CLI, "-m", *TINY, *values, f"hydra.sweep.dir={sweep}"],
-                              cwd=tmp_path, env=ENV, capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
+        return zygote.run(["-m", *TINY, *values, f"hydra.sweep.dir={sweep}"], tmp_path, ENV)
 
     first = run("seed=0,1")
     assert first.returncode == 0, first.stderr

@@ -141,7 +141,7 @@ def test_skipped_tests_are_recorded_as_ids_pytest_takes_back(tmp_path):
     env = {**os.environ, "FEDBENCH_SKIPPED_TO": str(out)}
     pytest_ = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     run = dict(cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    r = subprocess.run([*pytest_, "-n", "2", "--dist", "loadgroup", "test_inner.py"], **run)
+    r = subprocess.run([*pytest_, "-n", "1", "--dist", "loadgroup", "test_inner.py"], **run)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = sorted((json.loads(line) for line in out.read_text().splitlines()), key=str)
     assert rows == [

@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+import zygote
 
 from conftest import CLI_BACKEND, SMALL_FMNIST, compose, fmnist_available
 
@@ -33,10 +34,9 @@ FINISHED = [*TINY, "rounds=2", "eval.every=1", "checkpoint.every=1"]
 needs_fmnist = pytest.mark.skipif(not fmnist_available(), reason="FMNIST not installed")
 
 
-def fedbench(*args: str, cwd, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*CLI, *args], cwd=cwd, capture_output=True, text=True, env=ENV, timeout=300, **kw
-    )
+def fedbench(*args: str, cwd) -> subprocess.CompletedProcess:
+    """`fedbench ARGS` as a new process, forked with fedbench imported (tests/zygote.py)."""
+    return zygote.run(args, cwd=cwd, env=ENV, timeout=300)
 
 
 def snapshot(d: Path) -> dict[str, str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zygote
 
 from conftest import SMALL_FMNIST, compose, crash_and_resume, fmnist_available, run_small
 from fedbench.errors import ConfigError
@@ -166,13 +167,7 @@ def test_refused_resume_exits_2_and_leaves_the_directory_as_it_was(tmp_path):
     run directory (Hydra's .hydra/ and log included) is byte-identical afterwards."""
     run_dir = tmp_path / "run"
     args = [*SMALL_FMNIST, "rounds=2", "eval.every=1", "checkpoint.every=1"]
-    first = subprocess.run(
-        [*CLI, *args, f"hydra.run.dir={run_dir}"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=ENV,
-    )
+    first = zygote.run([*args, f"hydra.run.dir={run_dir}"], tmp_path, ENV)
     assert first.returncode == 0, first.stderr
     before = snapshot(run_dir)
     assert "checkpoint.pt" in before and "summary.json" in before and ".hydra/config.yaml" in before
@@ -184,13 +179,7 @@ def test_refused_resume_exits_2_and_leaves_the_directory_as_it_was(tmp_path):
         "split": (["split=dir", "device=cpu"], ["split.name ('pat' -> 'dir')"]),
     }
     for over, named in changed.values():
-        r = subprocess.run(
-            [*CLI, *args, *over, "resume=true", f"hydra.run.dir={run_dir}"],
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-            env=ENV,
-        )
+        r = zygote.run([*args, *over, "resume=true", f"hydra.run.dir={run_dir}"], tmp_path, ENV)
         assert r.returncode == 2, r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and r.stdout == "", r.stderr
