@@ -397,11 +397,12 @@ def test_paper_cell_runs_on_cifar_format_files(tmp_path, preset, algo):
 
     from fedbench.runner import Run
 
-    fake_cifar10(tmp_path / "data", n_train=200, n_test=100)
+    # few test images: ResNet-18's evaluation of every client on L, S and G is the cost
+    fake_cifar10(tmp_path / "data", n_train=200, n_test=40)
     cfg = compose(
         [f"+experiment={preset}", f"algo={algo}", f"data.root={tmp_path / 'data'}"]
         + ["data.download=false", "clients=4", "participation=2", "rounds=1", "device=cpu"]
-        + ["split.test_per_client=10", "local_epochs=1", "batch_size=50"]
+        + ["split.test_per_client=5", "local_epochs=1", "batch_size=50"]
     )
     s = Run(cfg, tmp_path / "run", progress=False).run()
     assert s["data"] == "cifar10" and s["final"]["round"] == 1
