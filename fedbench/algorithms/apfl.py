@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import WithTrainer, make_engine, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import fraction
@@ -86,6 +87,17 @@ class APFLParams:
 
 @ALGORITHMS.register()
 class APFL(WithTrainer, Algorithm):
+    about = About(
+        name="APFL",
+        paper="Deng et al., 2020",
+        summary=(
+            "personalized model a v_i + (1-a) w_i; w by FedAvg; a fixed or adaptive "
+            "(`algo.adaptive`)"
+        ),
+        docs="papers/fedpg.md#apfl-apfl",
+        pfllib="APFL",
+        fl_bench="APFL",
+    )
     Params = APFLParams
     has_global = True
     attackable = True

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import class_means
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, nonneg
@@ -66,6 +67,17 @@ def nearest_prototype(features: torch.Tensor, protos: torch.Tensor, has: torch.T
 
 @ALGORITHMS.register()
 class FedProto(Algorithm):
+    about = About(
+        name="FedProto",
+        paper="Tan et al., AAAI 2022",
+        summary=(
+            "shares per-class mean features; CE + lambda MSE to the global prototype; "
+            "nearest-prototype prediction"
+        ),
+        docs="papers/diversifed.md#fedproto-fedproto",
+        pfllib="FedProto",
+        fl_bench="FedProto",
+    )
     Params = FedProtoParams
     attackable = True
     state_keys = ("theta", "protos", "has_proto")
