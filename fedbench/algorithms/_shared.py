@@ -11,7 +11,11 @@ underscore keeps it out of the registry scan).
   signed) coefficients, on the parameters only; buffers (BatchNorm running statistics)
   come from a given row, never from a signed combination (a negative variance otherwise).
 - `class_means` / `feature_moments`: per-class mean features over index sets (FedProto's
-  prototypes, FedPAC's centroids), with the sum of squared feature norms (FedPAC's V_i).
+  prototypes, FedPAC's centroids), with the sum of squared feature norms (FedPAC's V_i);
+  `aggregate_prototypes`: the server's per-class mean of the clients' class means (FedProto,
+  FedPAC, FedGH).
+- `base_columns`: where the run model's entries sit in the flat state of a module that
+  contains it (APFL's two copies, FedCP's and SplitGP's wrapped models).
 - `entry_index`: the flat-state indices of named parameters/buffers (an algorithm's own
   module trained on a second engine: FedDBE's PRBM, GPFL's CoV and GCE).
 - `TrainSubset` / `make_engine` / `train_on` / `WithTrainer`: a second engine over a
@@ -142,6 +146,29 @@ def class_means(
     mode): ([K, F] means, zero where absent; [K] sample counts)."""
     means, counts, _ = feature_moments(engine, state, idx, num_classes)
     return means, counts
+
+
+def aggregate_prototypes(
+    local: torch.Tensor, counts: torch.Tensor, weighting: str = "uniform"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global prototypes from local ones [C, K, F] and class counts [C, K]: per class, the
+    mean over the clients that hold it (uniform, or weighted by counts); ([K, F], [K] bool
+    "class has a prototype")."""
+    has = counts > 0
+    w = has.to(local.dtype) if weighting == "uniform" else counts.to(local.dtype)
+    total = w.sum(0)
+    protos = (w[:, :, None] * local).sum(0) / total.clamp_min(1e-12)[:, None]
+    return protos, total > 0
+
+
+def base_columns(sub, base, prefix: str, device=None) -> torch.Tensor:
+    """[D_base] positions in a state of layout `sub` (ModelSpec) of the entries of layout
+    `base` named `prefix + name` (parameters, then buffers, in base's order)."""
+    cols = []
+    for e in base.params + base.buffers:
+        s = sub.index[prefix + e.name]
+        cols.append(torch.arange(s.start, s.stop))
+    return torch.cat(cols).to(device)
 
 
 def entry_index(spec: ModelSpec, names: Sequence[str], device: torch.device | str) -> torch.Tensor:

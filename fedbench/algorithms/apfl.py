@@ -33,19 +33,9 @@ from torch import nn
 from torch.func import functional_call
 
 from fedbench.algorithms._about import About
-from fedbench.algorithms._shared import WithTrainer, make_engine, train_on
+from fedbench.algorithms._shared import WithTrainer, base_columns, make_engine, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import fraction
-
-
-def base_columns(sub, base, prefix: str, device=None) -> torch.Tensor:
-    """[D_base] positions in a state of layout `sub` (ModelSpec) of the entries of layout
-    `base` named `prefix + name` (parameters, then buffers, in base's order)."""
-    cols = []
-    for e in base.params + base.buffers:
-        s = sub.index[prefix + e.name]
-        cols.append(torch.arange(s.start, s.stop))
-    return torch.cat(cols).to(device)
 
 
 class APFLModel(nn.Module):

@@ -79,8 +79,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedbench.algorithms._about import About
-from fedbench.algorithms._shared import TrainerLayout, make_engine, train_on
-from fedbench.algorithms.apfl import base_columns
+from fedbench.algorithms._shared import TrainerLayout, base_columns, make_engine, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import nonneg, positive
 from fedbench.errors import ConfigError

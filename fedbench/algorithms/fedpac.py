@@ -73,9 +73,8 @@ import torch.nn.functional as F
 
 from fedbench.algorithms._about import About
 from fedbench.algorithms._qp import gram, min_norm_weights
-from fedbench.algorithms._shared import feature_moments, state_entries
+from fedbench.algorithms._shared import aggregate_prototypes, feature_moments, state_entries
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
-from fedbench.algorithms.fedproto import aggregate_prototypes
 from fedbench.algorithms.params import Weighting, hp, nonneg, positive
 from fedbench.engine import TrainResult
 from fedbench.errors import ConfigError

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from fedbench.algorithms._about import About
-from fedbench.algorithms._shared import class_means
+from fedbench.algorithms._shared import aggregate_prototypes, class_means
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, nonneg
 from fedbench.errors import ConfigError
@@ -44,19 +44,6 @@ from fedbench.errors import ConfigError
 class FedProtoParams:
     lam: float = nonneg()  # lambda, weight of the prototype regularizer
     weighting: Weighting  # per-class server mean: uniform over holders | samples
-
-
-def aggregate_prototypes(
-    local: torch.Tensor, counts: torch.Tensor, weighting: str = "uniform"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global prototypes from local ones [C, K, F] and class counts [C, K]: per class, the
-    mean over the clients that hold it (uniform, or weighted by counts); ([K, F], [K] bool
-    "class has a prototype")."""
-    has = counts > 0
-    w = has.to(local.dtype) if weighting == "uniform" else counts.to(local.dtype)
-    total = w.sum(0)
-    protos = (w[:, :, None] * local).sum(0) / total.clamp_min(1e-12)[:, None]
-    return protos, total > 0
 
 
 def nearest_prototype(features: torch.Tensor, protos: torch.Tensor, has: torch.Tensor):

@@ -29,8 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedbench.algorithms._about import About
-from fedbench.algorithms._shared import WithTrainer, make_engine, state_entries, train_on
-from fedbench.algorithms.apfl import base_columns
+from fedbench.algorithms._shared import (
+    WithTrainer,
+    base_columns,
+    make_engine,
+    state_entries,
+    train_on,
+)
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import fraction
 from fedbench.errors import ConfigError
