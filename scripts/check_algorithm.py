@@ -103,6 +103,7 @@ def main() -> int:
     from fedbench.algorithms import ALGORITHMS
     from fedbench.errors import ConfigError
     from fedbench.report import doctables
+    from fedbench.report.collect import ReportError
 
     name = args.name
     try:
@@ -125,7 +126,10 @@ def main() -> int:
         for cmd in (["ruff", "check", *code], ["ruff", "format", "--check", *code]):
             if subprocess.run([sys.executable, "-m", *cmd], cwd=REPO).returncode != 0:
                 return fail(f"{' '.join(cmd)} failed (`ruff format {' '.join(code)}` formats)")
-        stale = doctables.stale(doctables.docs_files(REPO), REPO, tool=doctables.REGISTRY)
+        try:
+            stale = doctables.stale(doctables.docs_files(REPO), REPO, tool=doctables.REGISTRY)
+        except ReportError as e:
+            return fail(str(e))
         if stale:
             where = ", ".join(f"{b.path.relative_to(REPO)}:{b.line}" for b, _ in stale)
             return fail(

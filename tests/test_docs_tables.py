@@ -131,6 +131,7 @@ def test_a_new_algorithm_brings_its_own_rows(tmp_path):
         "| `fednew` | FedNew | [fedper.py, its docstring](../fedbench/algorithms/fedper.py) |"
         in index
     )
-    with pytest.raises(ValueError, match="not in its list"):
-        About(name="X", paper="p", summary="s", fl_bench="FedUnknown")
+    bad = type("Bad", (), {"about": About(name="X", paper="p", summary="s", fl_bench="FedNope")})
+    with pytest.raises(ValueError, match="'bad': About: fl_bench='FedNope' is not in its list"):
+        about_of("bad", bad)
     assert set(PFLLIB) and set(FL_BENCH)

@@ -48,14 +48,20 @@ class About:
     pfllib: str | None = None
     fl_bench: str | None = None
 
-    def __post_init__(self) -> None:
+    def problems(self) -> list[str]:
+        """What is wrong with this declaration (checked when the docs tables are made, not at
+        import: a typo here must not stop a run)."""
+        out = []
         for lib, known in (("pfllib", PFLLIB), ("fl_bench", FL_BENCH)):
             got = getattr(self, lib)
             if got is not None and got not in known:
-                raise ValueError(
-                    f"About({self.name!r}): {lib}={got!r} is not in its list "
-                    f"(fedbench/algorithms/_libraries.py): {', '.join(sorted(known))}"
+                out.append(
+                    f"{lib}={got!r} is not in its list (fedbench/algorithms/_libraries.py): "
+                    + ", ".join(sorted(known))
                 )
+        if self.docs is not None and not (REPO / "docs" / self.docs.split("#")[0]).is_file():
+            out.append(f"docs={self.docs!r}: no such page under docs/")
+        return out
 
     @property
     def family(self) -> str:
@@ -70,6 +76,9 @@ def about_of(name: str, cls: type) -> About:
             f"algorithm {name!r} ({cls.__module__}.{cls.__qualname__}) declares no "
             "`about = About(...)` (fedbench/algorithms/_about.py; CONTRIBUTING.md)"
         )
+    wrong = about.problems()
+    if wrong:
+        raise ValueError(f"algorithm {name!r}: About: {'; '.join(wrong)}")
     return about
 
 

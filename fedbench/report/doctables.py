@@ -112,7 +112,11 @@ def registry_output(name: str, page: Path) -> str:
     from fedbench.algorithms._about import TABLES
 
     algos = {n: ALGORITHMS.get(n) for n in ALGORITHMS.names()}
-    return "\n" + TABLES[name](algos, page).rstrip("\n") + "\n\n"
+    try:
+        table = TABLES[name](algos, page)
+    except ValueError as e:  # an algorithm's `about` is wrong: one line naming it
+        raise ReportError(f"{REGISTRY} {name}: {e}") from None
+    return "\n" + table.rstrip("\n") + "\n\n"
 
 
 def fresh_text(b: Block, root: Path = REPO) -> str:
