@@ -15,13 +15,16 @@
    device, the server optimizer where it has one, its search space; plus the checks that
    read the whole registry (search spaces, docs tables, import graph, paths).
 
-Each failed step is one line naming what to fix; exit 1. `--collect` prints the selected
-tests and runs nothing; arguments after `--` go to pytest (`-- -n 0`).
+Each failed step is one line naming what to fix; exit 1. `--collect` lists the selected
+tests and runs nothing; arguments after `--` go to pytest (`-- -n 0`). The selection is a
+pytest plugin (this module, `-p check_algorithm`), so the tests are collected once, by
+pytest itself and by each xdist worker alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -77,18 +80,22 @@ def select(node_ids: list[str], name: str, module: str) -> list[str]:
     ]
 
 
-def collect(paths: list[str]) -> list[str]:
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", *paths],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    ids = [line for line in out.stdout.splitlines() if "::" in line]
-    if out.returncode != 0 or not ids:
-        tail = (out.stdout + out.stderr).strip().splitlines()[-5:]
-        raise SystemExit(fail("pytest could not collect the tests:\n" + "\n".join(tail)))
-    return ids
+ENV = "FEDBENCH_CHECK_ALGORITHM"  # "name:module" for the plugin below
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """As a pytest plugin (`-p check_algorithm`, scripts/ on the path): keep NAME's tests
+    and the whole-registry ones, deselect the rest, in one collection (xdist workers too)."""
+    if not os.environ.get(ENV):
+        return
+    name, module = os.environ[ENV].split(":")
+    mine = set(select([i.nodeid for i in items], name, module))
+    keep = [
+        i for i in items if i.nodeid in mine or any(i.nodeid.startswith(w) for w in WHOLE_REGISTRY)
+    ]
+    kept = {id(i) for i in keep}
+    config.hook.pytest_deselected(items=[i for i in items if id(i) not in kept])
+    items[:] = keep
 
 
 def main() -> int:
@@ -136,15 +143,17 @@ def main() -> int:
                 f"generated tables are stale ({where}): python scripts/update_docs_tables.py"
             )
 
-    selected = select(collect([*PER_ALGORITHM, files[3]]), name, module)
-    selected += WHOLE_REGISTRY
+    paths = [*PER_ALGORITHM, files[3], *WHOLE_REGISTRY]
+    env = {**os.environ, ENV: f"{name}:{module}"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO / "scripts"), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    mode = ["--collect-only", "-q", "-n", "0"] if args.collect else ["-q", *args.pytest_args]
+    print(f"check_algorithm: {name}: its tests and the per-algorithm ones", flush=True)
+    cmd = [sys.executable, "-m", "pytest", "-p", "check_algorithm", *mode, *paths]
+    code = subprocess.run(cmd, cwd=REPO, env=env).returncode
     if args.collect:
-        print("\n".join(selected))
-        return 0
-    print(f"check_algorithm: {name}: {len(selected)} tests or files", flush=True)
-    code = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", *args.pytest_args, *selected], cwd=REPO
-    ).returncode
+        return code
     took = time.monotonic() - start
     if code != 0:
         return fail(f"{name}: tests failed ({took:.0f} s)")
