@@ -11,11 +11,11 @@ from torch import nn
 
 from conftest import make_algo as make
 from conftest import run_small
-from fedbench.algorithms._shared import class_means
+from fedbench.algorithms._shared import aggregate_prototypes, class_means
 from fedbench.algorithms.apple import reg_schedule
 from fedbench.algorithms.fedamp import attention_weights
 from fedbench.algorithms.fedcac import collaborators, critical_masks, overlap
-from fedbench.algorithms.fedproto import aggregate_prototypes, nearest_prototype
+from fedbench.algorithms.fedproto import nearest_prototype
 from fedbench.algorithms.fedrod import TwoHeadModel, rod_loss
 from fedbench.engine import ModelSpec
 from fedbench.evaluation import evaluate, summaries

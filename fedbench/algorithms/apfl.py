@@ -32,19 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from fedbench.algorithms._shared import WithTrainer, make_engine, train_on
+from fedbench.algorithms._about import About
+from fedbench.algorithms._shared import WithTrainer, base_columns, make_engine, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import fraction
-
-
-def base_columns(sub, base, prefix: str, device=None) -> torch.Tensor:
-    """[D_base] positions in a state of layout `sub` (ModelSpec) of the entries of layout
-    `base` named `prefix + name` (parameters, then buffers, in base's order)."""
-    cols = []
-    for e in base.params + base.buffers:
-        s = sub.index[prefix + e.name]
-        cols.append(torch.arange(s.start, s.stop))
-    return torch.cat(cols).to(device)
 
 
 class APFLModel(nn.Module):
@@ -86,6 +77,17 @@ class APFLParams:
 
 @ALGORITHMS.register()
 class APFL(WithTrainer, Algorithm):
+    about = About(
+        name="APFL",
+        paper="Deng et al., 2020",
+        summary=(
+            "personalized model a v_i + (1-a) w_i; w by FedAvg; a fixed or adaptive "
+            "(`algo.adaptive`)"
+        ),
+        docs="papers/fedpg.md#apfl-apfl",
+        pfllib="APFL",
+        fl_bench="APFL",
+    )
     Params = APFLParams
     has_global = True
     attackable = True

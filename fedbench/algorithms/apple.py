@@ -45,6 +45,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import fraction, nonneg
@@ -70,6 +71,15 @@ def reg_schedule(r: int, L: int, kind: str = "exp") -> float:
 
 @ALGORITHMS.register()
 class APPLE(Algorithm):
+    about = About(
+        name="APPLE",
+        paper="Luo & Wu, IJCAI 2022",
+        summary=(
+            "personalized model sum_j p_ij core_j; the client learns its core and its p_i per batch"
+        ),
+        docs="papers/diversifed.md#apple-apple",
+        pfllib="APPLE",
+    )
     personal_rows = "theta"
     Params = APPLEParams
     attackable = True

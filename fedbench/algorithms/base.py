@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._server import ServerOptimizer, ServerOptSettings
 from fedbench.algorithms.params import typed_params
 from fedbench.engine import Engine, OptimConfig, TrainResult
@@ -121,6 +122,7 @@ class Algorithm:
     """
 
     name: ClassVar[str] = ""
+    about: ClassVar[About | None] = None  # its docs rows (fedbench/algorithms/_about.py)
     has_personal: ClassVar[bool] = True
     has_global: ClassVar[bool] = False
     state_keys: ClassVar[tuple[str, ...]] = ()

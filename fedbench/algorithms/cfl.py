@@ -84,6 +84,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, hp, nonneg
 
@@ -140,6 +141,17 @@ def bipartition(sim: torch.Tensor, linkage: str = "single") -> tuple[list[int], 
 
 @ALGORITHMS.register()
 class CFL(Algorithm):
+    about = About(
+        name="CFL",
+        paper="Sattler, Müller, Samek, IEEE TNNLS 2020",
+        summary=(
+            "FedAvg within clusters; a cluster at a stationary point with an "
+            "incongruent client is bipartitioned by the cosine similarity of the "
+            "clients' updates"
+        ),
+        docs="algorithms.md#cfl-cfl",
+        fl_bench="CFL",
+    )
     Params = CFLParams
     attackable = True
     state_keys = ("models", "assign", "delta", "fresh")

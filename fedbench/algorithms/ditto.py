@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, TrainedOrGlobal
 from fedbench.algorithms.params import Weighting, hp, nonneg
@@ -39,6 +40,14 @@ class DittoParams:
 
 @ALGORITHMS.register()
 class Ditto(TrainedOrGlobal, Algorithm):
+    about = About(
+        name="Ditto",
+        paper="Li et al., ICML 2021",
+        summary="FedAvg global model + personal models with a proximal pull (lambda 0.1)",
+        docs="papers/plgu.md#ditto-ditto",
+        pfllib="Ditto",
+        fl_bench="Ditto",
+    )
     Params = DittoParams
     attackable = True
     server_optimizable = True  # server_opt steps on the average

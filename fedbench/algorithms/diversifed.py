@@ -43,6 +43,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import mix_parameters, pairwise_sq_dists
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import positive
@@ -93,6 +94,16 @@ def model_distance_loss(w: torch.Tensor, i: int, tau: float) -> torch.Tensor:
 
 @ALGORITHMS.register()
 class DiversiFed(Algorithm):
+    about = About(
+        name="DiversiFed",
+        paper="Wu et al., 2024, arXiv:2407.15464",
+        summary=(
+            "server step z_i = w_i - alpha grad L_d(w_i): a closed-form mix of all "
+            "personalized models (one Gram matrix) that pulls near ones and pushes far "
+            "ones; client trains CE + lambda/(2 alpha)||w - z_i||^2"
+        ),
+        docs="papers/diversifed.md#diversifed-diversifed-algorithm-1",
+    )
     personal_rows = "w"
     Params = DiversiFedParams
     attackable = True

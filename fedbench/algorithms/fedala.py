@@ -93,6 +93,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, TrainedOrGlobal
 from fedbench.algorithms.params import hp, nonneg, positive
 from fedbench.engine import Engine
@@ -159,6 +160,18 @@ def start_phase_done(losses: list[float], num_pre_loss: int, threshold: float) -
 
 @ALGORITHMS.register()
 class FedALA(TrainedOrGlobal, Algorithm):
+    about = About(
+        name="FedALA",
+        paper="Zhang et al., AAAI 2023",
+        summary=(
+            "Adaptive Local Aggregation: a client starts from its old model plus the "
+            "global update weighted element-wise (W in [0, 1], learned on s% of its "
+            "data) on the top p layers, the global model below; then FedAvg"
+        ),
+        docs="algorithms.md#fedala-fedala",
+        pfllib="FedALA",
+        fl_bench="FedALA",
+    )
     Params = FedALAParams
     attackable = True
     server_optimizable = True  # server_opt steps on the average

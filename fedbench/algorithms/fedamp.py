@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import mix_parameters, pairwise_sq_dists
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import nonneg, positive
@@ -60,6 +61,16 @@ def attention_weights(w: torch.Tensor, alpha_k: float, sigma: float) -> torch.Te
 
 @ALGORITHMS.register()
 class FedAMP(Algorithm):
+    about = About(
+        name="FedAMP",
+        paper="Huang et al., AAAI 2021",
+        summary=(
+            "attentive message passing u_i = sum_j xi_ij w_j; client trains with a "
+            "proximal term to u_i"
+        ),
+        docs="papers/fedpg.md#fedamp-fedamp",
+        pfllib="FedAMP",
+    )
     personal_rows = "w"
     Params = FedAMPParams
     attackable = True

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, TrainedOrGlobal
 from fedbench.algorithms.params import Weighting, nonneg
 from fedbench.engine import Proximal
@@ -36,6 +37,14 @@ class FedProxParams(FedAvgParams):
 
 @ALGORITHMS.register()
 class FedAvg(TrainedOrGlobal, Algorithm):
+    about = About(
+        name="FedAvg",
+        paper="McMahan et al., AISTATS 2017",
+        summary="local SGD from the global model, sample-weighted average",
+        docs="papers/fedpg.md#fedavg-and-fedprox",
+        pfllib="FedAvg",
+        fl_bench="FedAvg",
+    )
     Params = FedAvgParams
     attackable = True
     server_optimizable = True  # server_opt steps on the average
@@ -60,6 +69,14 @@ class FedAvg(TrainedOrGlobal, Algorithm):
 
 @ALGORITHMS.register("fedprox")
 class FedProx(FedAvg):
+    about = About(
+        name="FedProx",
+        paper="Li et al., MLSys 2020",
+        summary="FedAvg with a proximal term (mu/2)||w - w^t||^2 in the local loss",
+        docs="papers/fedpg.md#fedavg-and-fedprox",
+        pfllib="FedProx",
+        fl_bench="FedProx",
+    )
     Params = FedProxParams
 
     def terms(self) -> list:

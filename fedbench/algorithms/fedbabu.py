@@ -70,6 +70,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import state_entries
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, hp, positive
@@ -89,6 +90,18 @@ class FedBABUParams:
 
 @ALGORITHMS.register()
 class FedBABU(Algorithm):
+    about = About(
+        name="FedBABU",
+        paper="Oh, Kim, Yun, ICLR 2022",
+        summary=(
+            "FedAvg on the body only, the head frozen at its random initialization; "
+            "each client fine-tunes the global model (whole model, 5 epochs) as its "
+            "personalized model"
+        ),
+        docs="algorithms.md#fedbabu-fedbabu",
+        pfllib="FedBABU",
+        fl_bench="FedBABU",
+    )
     Params = FedBABUParams
     has_global = True
     attackable = True

@@ -38,6 +38,7 @@ from typing import Literal
 
 from torch import nn
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS
 from fedbench.algorithms.fedper import FedPer
 from fedbench.algorithms.params import Weighting
@@ -63,6 +64,18 @@ class FedBNParams:
 
 @ALGORITHMS.register()
 class FedBN(FedPer):
+    about = About(
+        name="FedBN",
+        paper="Li et al., ICLR 2021 (arXiv:2102.07623)",
+        summary=(
+            "each client keeps its BatchNorm layers (affine parameters and running "
+            "statistics), the rest averaged (`algo.norm=all`: every normalization "
+            "layer)"
+        ),
+        docs="algorithms.md#fedbn-fedbn",
+        pfllib="FedBN",
+        fl_bench="FedBN",
+    )
     Params = FedBNParams
 
     def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:

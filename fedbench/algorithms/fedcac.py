@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import hp
 from fedbench.engine import ModelSpec
@@ -88,6 +89,16 @@ def collaborators(ov: torch.Tensor, t: int, beta: float) -> torch.Tensor:
 
 @ALGORITHMS.register()
 class FedCAC(Algorithm):
+    about = About(
+        name="FedCAC",
+        paper="Wu et al., ICCV 2023",
+        summary=(
+            "critical parameters (top tau of |delta theta * theta|) from clients with "
+            "overlapping masks, the rest from FedAvg"
+        ),
+        docs="papers/diversifed.md#fedcac-fedcac",
+        pfllib="FedCAC",
+    )
     personal_rows = "theta"
     Params = FedCACParams
     attackable = True

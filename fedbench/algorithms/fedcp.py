@@ -78,8 +78,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedbench.algorithms._shared import TrainerLayout, make_engine, train_on
-from fedbench.algorithms.apfl import base_columns
+from fedbench.algorithms._about import About
+from fedbench.algorithms._shared import TrainerLayout, base_columns, make_engine, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import nonneg, positive
 from fedbench.errors import ConfigError
@@ -174,6 +174,16 @@ def fedcp_loss(
 
 @ALGORITHMS.register()
 class FedCP(TrainerLayout, Algorithm):
+    about = About(
+        name="FedCP",
+        paper="Zhang et al., KDD 2023",
+        summary=(
+            "a conditional policy network splits each feature between a frozen global "
+            "head and a personalized head; MMD to the frozen global extractor"
+        ),
+        docs="algorithms.md#fedcp-fedcp",
+        pfllib="FedCP",
+    )
     Params = FedCPParams
     attackable = True
     server_optimizable = True  # server_opt steps on the averages of W^fe, W^hd and Theta

@@ -67,6 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import TrainerLayout, entry_index, make_engine, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import hp, nonneg
@@ -135,6 +136,17 @@ def dbe_objective(
 
 @ALGORITHMS.register()
 class FedDBE(TrainerLayout, Algorithm):
+    about = About(
+        name="FedDBE",
+        paper="Zhang et al., NeurIPS 2023",
+        summary=(
+            "FedAvg + Domain Bias Eliminator: a local trainable shift of the "
+            "representation (PRBM) and a regularizer pulling the local representation "
+            "mean to a global mean"
+        ),
+        docs="algorithms.md#feddbe-feddbe",
+        pfllib="FedDBE",
+    )
     Params = FedDBEParams
     attackable = True
     server_optimizable = True

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import dynamic_clients, dynamic_server
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import positive
@@ -37,6 +38,17 @@ class FedDynParams:
 
 @ALGORITHMS.register()
 class FedDyn(Algorithm):
+    about = About(
+        name="FedDyn",
+        paper="Acar et al., ICLR 2021",
+        summary=(
+            "dynamic regularization: local loss f_i(x) - <grad_i, x> + alpha/2 ||x - "
+            "theta||^2; server theta = mean x_i - h/alpha"
+        ),
+        docs="papers/fedslr.md#feddyn-feddyn",
+        pfllib="FedDyn",
+        fl_bench="FedDyn",
+    )
     Params = FedDynParams
     has_personal = False
     has_global = True

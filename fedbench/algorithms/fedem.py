@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, hp
 from fedbench.engine.plan import Objective
@@ -119,6 +120,16 @@ class Mixture(nn.Module):
 
 @ALGORITHMS.register()
 class FedEM(Algorithm):
+    about = About(
+        name="FedEM",
+        paper="Marfoq et al., NeurIPS 2021",
+        summary=(
+            "M shared component models and per-client mixture weights learned by "
+            "federated EM; each client predicts with its mixture"
+        ),
+        docs="algorithms.md#fedem-fedem",
+        fl_bench="FedEM",
+    )
     Params = FedEMParams
     attackable = True
     server_optimizable = True  # server_opt steps on each component's average

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import TrainSubset, WithTrainer, make_engine, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import hp
@@ -51,6 +52,17 @@ class FedFomoParams:
 
 @ALGORITHMS.register()
 class FedFomo(WithTrainer, Algorithm):
+    about = About(
+        name="FedFomo",
+        paper="Zhang et al., ICLR 2021",
+        summary=(
+            "client mixes the top-M received models by first-order weights "
+            "(validation-loss gain / distance), then trains"
+        ),
+        docs="papers/fedpg.md#fedfomo-fedfomo",
+        pfllib="FedFomo",
+        fl_bench="FedFomo",
+    )
     personal_rows = "theta"
     Params = FedFomoParams
     attackable = True

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._qp import gram, min_norm_weights
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, TrainedOrGlobal
 from fedbench.algorithms.params import fraction, positive
@@ -48,6 +49,15 @@ def box_weights(gh: torch.Tensor, lam0: np.ndarray, eps: float) -> np.ndarray | 
 
 @ALGORITHMS.register()
 class FedMGDA(TrainedOrGlobal, Algorithm):
+    about = About(
+        name="FedMGDA+",
+        paper="Hu et al., IEEE TNSE 2022 (FedMGDA+)",
+        summary=(
+            "min-norm combination of the clients' normalized updates, weights in a box "
+            "around n_i/n on the simplex"
+        ),
+        docs="papers/fedpg.md#fedmgda-fedmgda",
+    )
     Params = FedMGDAParams
     attackable = True
     state_keys = ("w", "theta", "seen", "fallbacks")

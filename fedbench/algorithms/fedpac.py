@@ -71,10 +71,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._qp import gram, min_norm_weights
-from fedbench.algorithms._shared import feature_moments, state_entries
+from fedbench.algorithms._shared import aggregate_prototypes, feature_moments, state_entries
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
-from fedbench.algorithms.fedproto import aggregate_prototypes
 from fedbench.algorithms.params import Weighting, hp, nonneg, positive
 from fedbench.engine import TrainResult
 from fedbench.errors import ConfigError
@@ -139,6 +139,18 @@ def alignment_loss(
 
 @ALGORITHMS.register()
 class FedPAC(Algorithm):
+    about = About(
+        name="FedPAC",
+        paper="Xu, Tong, Huang, ICLR 2023",
+        summary=(
+            "head first, then a shared feature extractor aligned to global class "
+            "centroids; each client's head a QP-weighted combination of the clients' "
+            "heads minimizing an estimated test loss"
+        ),
+        docs="algorithms.md#fedpac-fedpac",
+        pfllib="FedPAC",
+        fl_bench="FedPAC",
+    )
     Params = FedPACParams
     attackable = True
     server_optimizable = True  # server_opt steps on the body average

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import state_entries
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, hp
@@ -45,6 +46,17 @@ class FedPerParams:
 
 @ALGORITHMS.register()
 class FedPer(Algorithm):
+    about = About(
+        name="FedPer",
+        paper="Arivazhagan et al., 2019 (arXiv:1912.00818)",
+        summary=(
+            "shared base layers (averaged) + the last `personal_layers` kept by each "
+            "client, trained together for E epochs"
+        ),
+        docs=None,
+        pfllib="FedPer",
+        fl_bench="FedPer",
+    )
     Params = FedPerParams
     attackable = True
     server_optimizable = True  # server_opt steps on the average

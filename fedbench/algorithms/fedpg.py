@@ -69,6 +69,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._qp import gram, min_norm_weights
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, TrainedOrGlobal
 from fedbench.algorithms.params import hp, nonneg, positive
@@ -316,6 +317,20 @@ class FedPG(TrainedOrGlobal, Algorithm):
     the runner reads it on evaluation rounds only. `profiler` (default `NoProfiler`) times
     the sections: `SectionTimer` opts in."""
 
+    about = About(
+        name="FedPG",
+        paper="FedPG, anonymous ICCV submission (appendix)",
+        summary=(
+            "clients send loss and full gradient at w^t; the server solves a min-norm "
+            "QP over the normalized gradients, absent clients' history and a fairness "
+            "gradient for a common descent direction d; each online client's "
+            "personalized model steps along d + r_i (g_i - d), which keeps it a descent"
+            " direction for every other client (`algo.gamma`, `algo.gamma_mode`, "
+            "`algo.client_grad=full|pseudo`)"
+        ),
+        docs="papers/fedpg.md#fedpg-the-global-update",
+    )
+
     Params = FedPGParams
     attackable = True
     state_keys = ("w", "theta", "seen", "hist", "last", "prev", "counts")
@@ -486,6 +501,16 @@ class FedPG(TrainedOrGlobal, Algorithm):
 @ALGORITHMS.register("sfedpg")
 class SFedPG(FedPG):
     """S-FedPG: FedPG with appendix Algorithm 1's step size (step 7; see `FedPG`)."""
+
+    about = About(
+        name="S-FedPG",
+        paper="FedPG appendix, Algorithm 1",
+        summary=(
+            "FedPG with the Armijo step-size line search on the online clients' losses "
+            "and the fairness term"
+        ),
+        docs="papers/fedpg.md#fedpg-the-global-update",
+    )
 
     Params = SFedPGParams
 

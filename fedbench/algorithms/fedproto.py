@@ -33,7 +33,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedbench.algorithms._shared import class_means
+from fedbench.algorithms._about import About
+from fedbench.algorithms._shared import aggregate_prototypes, class_means
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, nonneg
 from fedbench.errors import ConfigError
@@ -45,19 +46,6 @@ class FedProtoParams:
     weighting: Weighting  # per-class server mean: uniform over holders | samples
 
 
-def aggregate_prototypes(
-    local: torch.Tensor, counts: torch.Tensor, weighting: str = "uniform"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global prototypes from local ones [C, K, F] and class counts [C, K]: per class, the
-    mean over the clients that hold it (uniform, or weighted by counts); ([K, F], [K] bool
-    "class has a prototype")."""
-    has = counts > 0
-    w = has.to(local.dtype) if weighting == "uniform" else counts.to(local.dtype)
-    total = w.sum(0)
-    protos = (w[:, :, None] * local).sum(0) / total.clamp_min(1e-12)[:, None]
-    return protos, total > 0
-
-
 def nearest_prototype(features: torch.Tensor, protos: torch.Tensor, has: torch.Tensor):
     """Class of the nearest prototype under MSE (classes without one excluded): [B]."""
     d = ((features[:, None, :] - protos[None]) ** 2).mean(-1)
@@ -66,6 +54,17 @@ def nearest_prototype(features: torch.Tensor, protos: torch.Tensor, has: torch.T
 
 @ALGORITHMS.register()
 class FedProto(Algorithm):
+    about = About(
+        name="FedProto",
+        paper="Tan et al., AAAI 2022",
+        summary=(
+            "shares per-class mean features; CE + lambda MSE to the global prototype; "
+            "nearest-prototype prediction"
+        ),
+        docs="papers/diversifed.md#fedproto-fedproto",
+        pfllib="FedProto",
+        fl_bench="FedProto",
+    )
     Params = FedProtoParams
     attackable = True
     state_keys = ("theta", "protos", "has_proto")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import state_entries
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, hp
@@ -39,6 +40,14 @@ class FedRepParams:
 
 @ALGORITHMS.register()
 class FedRep(Algorithm):
+    about = About(
+        name="FedRep",
+        paper="Collins et al., ICML 2021",
+        summary="shared body (averaged) + personal head: head epochs, then body epochs",
+        docs="papers/plgu.md#fedrep-fedrep",
+        pfllib="FedRep",
+        fl_bench="FedRep",
+    )
     Params = FedRepParams
     attackable = True
     server_optimizable = True  # server_opt steps on the average

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import TrainerLayout, make_engine, state_entries, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.errors import ConfigError
@@ -73,6 +74,17 @@ def rod_loss(model: TwoHeadModel, x, y, c, log_prior: torch.Tensor) -> torch.Ten
 
 @ALGORITHMS.register()
 class FedRoD(TrainerLayout, Algorithm):
+    about = About(
+        name="FedRoD",
+        paper="Chen & Chao, ICLR 2022",
+        summary=(
+            "shared body + generic head (balanced softmax) and a personal head; "
+            "predicts generic + personal logits"
+        ),
+        docs="papers/fedpg.md#fedrod-fedrod",
+        pfllib="FedRoD",
+        fl_bench="FedRoD",
+    )
     Params = FedRoDParams
     attackable = True
     has_global = True

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import dynamic_clients, dynamic_server
 from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
@@ -76,6 +77,17 @@ class FedSLRParams:
 
 @ALGORITHMS.register()
 class FedSLR(Algorithm):
+    about = About(
+        name="FedSLR",
+        paper="Huang et al., TMLR 2023, arXiv:2302.11051, Alg. 1-3",
+        summary=(
+            "Phase I: a low-rank global model (GKR) by a FedDyn-like proximal method "
+            "and a per-layer nuclear-norm prox on the server; Phase II: a sparse "
+            "personal part p_i by proximal SGD with soft-thresholding; reports the GKR "
+            "(global) and GKR + p_i (personal), their sizes and ranks"
+        ),
+        docs="papers/fedslr.md#phase-i-the-gkr-proximal-feddyn-like",
+    )
     Params = FedSLRParams
     has_personal = True
     has_global = True

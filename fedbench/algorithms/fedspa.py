@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import fraction, hp
@@ -44,6 +45,15 @@ class FedSpaParams:
 
 @ALGORITHMS.register()
 class FedSpa(Algorithm):
+    about = About(
+        name="FedSpa",
+        paper="Huang et al., ICML 2022",
+        summary=(
+            "personalized sparse masks by dynamic sparse training (prune-and-grow) at a"
+            " set density; masked models averaged"
+        ),
+        docs="papers/fedslr.md#fedspa-fedspa",
+    )
     Params = FedSpaParams
     attackable = True
     state_keys = ("w", "masks")

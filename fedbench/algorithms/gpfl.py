@@ -78,6 +78,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import TrainerLayout, entry_index, make_engine, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import nonneg
@@ -161,6 +162,17 @@ def gpfl_objective(
 
 @ALGORITHMS.register()
 class GPFL(TrainerLayout, Algorithm):
+    about = About(
+        name="GPFL",
+        paper="Zhang et al., ICCV 2023",
+        summary=(
+            "a Conditional Valve turns the shared features into a global route (guided "
+            "by shared class embeddings: angle- and magnitude-level losses) and a "
+            "personalized route for the client's own head"
+        ),
+        docs="algorithms.md#gpfl-gpfl",
+        pfllib="GPFL",
+    )
     Params = GPFLParams
     attackable = True
     server_optimizable = True

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import state_entries
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, hp
@@ -73,6 +74,15 @@ class IFCAParams:
 
 @ALGORITHMS.register()
 class IFCA(Algorithm):
+    about = About(
+        name="IFCA",
+        paper="Ghosh, Chung, Yin, Ramchandran, NeurIPS 2020",
+        summary=(
+            "k cluster models; each client trains the one of lowest loss on its data; "
+            "averaged per cluster"
+        ),
+        docs="algorithms.md#ifca-ifca",
+    )
     Params = IFCAParams
     attackable = True
     state_keys = ("models",)

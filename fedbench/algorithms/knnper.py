@@ -59,6 +59,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import TrainSubset, WithTrainer, make_engine, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, hp, positive
@@ -108,6 +109,16 @@ def choose_lambda(
 
 @ALGORITHMS.register()
 class KNNPer(WithTrainer, Algorithm):
+    about = About(
+        name="kNN-Per",
+        paper="Marfoq et al., ICML 2022",
+        summary=(
+            "FedAvg's global model interpolated with a local kNN over its features "
+            "(per-client datastore, lambda chosen on held-out data)"
+        ),
+        docs="algorithms.md#knn-per-knnper",
+        fl_bench="kNN-Per",
+    )
     Params = KNNPerParams
     has_global = True
     attackable = True

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import state_entries
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.fedavg import FedAvgParams
@@ -27,6 +28,14 @@ from fedbench.algorithms.fedavg import FedAvgParams
 
 @ALGORITHMS.register()
 class LGFedAvg(Algorithm):
+    about = About(
+        name="LG-FedAvg",
+        paper="Liang et al., 2020",
+        summary="the body stays local, the classifier head is shared and averaged",
+        docs="papers/fedslr.md#lg-fedavg-lg_fedavg",
+        pfllib="LG-FedAvg",
+        fl_bench="LG-FedAvg",
+    )
     Params = FedAvgParams
     attackable = True
     state_keys = ("bodies", "head")

@@ -8,12 +8,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import NoParams
 
 
 @ALGORITHMS.register()
 class Local(Algorithm):
+    about = About(
+        name="Local",
+        paper='— (DiversiFed\'s "Separate")',
+        summary="each client trains alone",
+        docs="papers/fedpg.md#local-local",
+        pfllib="Local",
+        fl_bench="Local",
+    )
     Params = NoParams
     state_keys = ("theta",)
 

@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, TrainedOrGlobal
 from fedbench.algorithms.params import Weighting, nonneg, positive
 from fedbench.engine.spec import ModelSpec
@@ -140,6 +141,18 @@ class ModelContrastive:
 
 @ALGORITHMS.register()
 class MOON(TrainedOrGlobal, Algorithm):
+    about = About(
+        name="MOON",
+        paper="Li, He, Song, CVPR 2021",
+        summary=(
+            "FedAvg with a model-contrastive local term: the representation pulled "
+            "toward the global model's and pushed from the client's previous local "
+            "model's"
+        ),
+        docs="algorithms.md#moon-moon",
+        pfllib="MOON",
+        fl_bench="MOON",
+    )
     Params = MOONParams
     attackable = True
     server_optimizable = True  # server_opt steps on the average

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, nonneg, positive
@@ -47,6 +48,14 @@ PERSONAL_SALT = 1  # the personalization step's batch stream, apart from trainin
 
 @ALGORITHMS.register()
 class PerFedAvg(Algorithm):
+    about = About(
+        name="Per-FedAvg",
+        paper="Fallah et al., NeurIPS 2020",
+        summary="first-order MAML FedAvg; personal model = one SGD step from the global model",
+        docs="papers/fedslr.md#per-fedavg-perfedavg",
+        pfllib="Per-FedAvg",
+        fl_bench="Per-FedAvg",
+    )
     personal_rows = "theta"
     Params = PerFedAvgParams
     attackable = True

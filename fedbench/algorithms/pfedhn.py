@@ -37,6 +37,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._steps import clip_, grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import hp, nonneg, positive
@@ -84,6 +85,16 @@ def _millions(n: int) -> str:
 
 @ALGORITHMS.register()
 class PFedHN(Algorithm):
+    about = About(
+        name="pFedHN",
+        paper="Shamsian et al., ICML 2021",
+        summary=(
+            "a hypernetwork generates each client's model from its embedding "
+            "(`algo.hypernet.generate=all|body|last_k`)"
+        ),
+        docs="papers/plgu.md#pfedhn-pfedhn",
+        fl_bench="pFedHN",
+    )
     Params = PFedHNParams
     attackable = True
     state_keys = ("phi", "phi_buf", "heads", "shared")

@@ -76,6 +76,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import hp, positive
 from fedbench.engine import ModelSpec, OptimConfig
@@ -129,6 +130,17 @@ def hypernet_numel(n_clients: int, n_layers: int, embed_dim: int, hidden: int) -
 
 @ALGORITHMS.register()
 class PFedLA(Algorithm):
+    about = About(
+        name="pFedLA",
+        paper="Ma, Zhang, Guo, Xu, CVPR 2022",
+        summary=(
+            "per-client hypernetworks output layer-wise aggregation weights over all "
+            "clients' stored models, trained by the chain rule on the clients' updates;"
+            " HeurpFedLA (`algo.k`) keeps the top-k self-weighted layers local"
+        ),
+        docs="algorithms.md#pfedla-pfedla",
+        fl_bench="pFedLA",
+    )
     Params = PFedLAParams
     attackable = True
     state_keys = ("theta", "psi", "psi_buf")

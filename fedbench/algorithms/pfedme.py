@@ -34,6 +34,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import hp, nonneg, positive
@@ -51,6 +52,17 @@ class PFedMeParams:
 
 @ALGORITHMS.register()
 class PFedMe(Algorithm):
+    about = About(
+        name="pFedMe",
+        paper="Dinh et al., NeurIPS 2020",
+        summary=(
+            "Moreau-envelope personalization: K inner steps per batch "
+            "(`algo.eval_model=theta|local`)"
+        ),
+        docs="papers/plgu.md#pfedme-pfedme",
+        pfllib="pFedMe",
+        fl_bench="pFedMe",
+    )
     Params = PFedMeParams
     has_global = True
     attackable = True

@@ -55,6 +55,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, TrainedOrGlobal
 from fedbench.algorithms.fedrep import FedRep
@@ -111,6 +112,15 @@ def score_rule(hp) -> str:
 
 @ALGORITHMS.register("plgu_lf")
 class PLGULF(TrainedOrGlobal, Algorithm):
+    about = About(
+        name="PLGU-LF",
+        paper="Qu et al., CVPR 2023, Alg. 1-2",
+        summary=(
+            "the D most personalized layers stay local; the global model is trained "
+            "with layer-wise SAM (LWSAM, eq. 4-6); reports global and personal models"
+        ),
+        docs="papers/plgu.md#plgu-lf-plgu_lf",
+    )
     Params = PLGULFParams
     attackable = True
     state_keys = ("w", "theta", "seen")
@@ -171,6 +181,12 @@ class PLGULF(TrainedOrGlobal, Algorithm):
 
 @ALGORITHMS.register("plgu_grep")
 class PLGUGRep(FedRep):
+    about = About(
+        name="PLGU-GRep",
+        paper="Qu et al., CVPR 2023, Alg. 3",
+        summary="FedRep whose body update is an LWSAM step (eq. 9-13)",
+        docs="papers/plgu.md#plgu-grep-plgu_grep",
+    )
     Params = PLGUGRepParams
     state_keys = ("phi", "heads", "uploaded")
 
@@ -219,6 +235,12 @@ class PLGUGRep(FedRep):
 
 @ALGORITHMS.register("plgu_ghn")
 class PLGUGHN(PFedHN):
+    about = About(
+        name="PLGU-GHN",
+        paper="Qu et al., CVPR 2023 (supplement eq. 24-25, reconstruction)",
+        summary="pFedHN with LWSAM on the hypernetwork update",
+        docs="papers/plgu.md#plgu-ghn-plgu_ghn",
+    )
     Params = PLGUGHNParams
 
     def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS
 from fedbench.algorithms.fedavg import FedAvg, FedAvgParams
 from fedbench.algorithms.params import nonneg
@@ -29,6 +30,12 @@ class FedSAMParams(FedAvgParams):
 
 @ALGORITHMS.register("fedsam")
 class FedSAM(FedAvg):
+    about = About(
+        name="FedSAM",
+        paper="Qu et al., ICML 2022",
+        summary="FedAvg with SAM local steps (rho 0.05)",
+        docs="papers/plgu.md#fedsam-fedsam",
+    )
     Params = FedSAMParams
 
     def local_train(self, states, clients, t, **kw):

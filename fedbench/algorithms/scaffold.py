@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import positive
 from fedbench.engine.terms import correction
@@ -39,6 +40,14 @@ class ScaffoldParams:
 
 @ALGORITHMS.register()
 class Scaffold(Algorithm):
+    about = About(
+        name="SCAFFOLD",
+        paper="Karimireddy et al., ICML 2020",
+        summary="control variates (option II) correct each local step by c - c_i",
+        docs="papers/fedslr.md#scaffold-scaffold",
+        pfllib="SCAFFOLD",
+        fl_bench="SCAFFOLD",
+    )
     Params = ScaffoldParams
     has_personal = False
     has_global = True

@@ -28,8 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedbench.algorithms._shared import WithTrainer, make_engine, state_entries, train_on
-from fedbench.algorithms.apfl import base_columns
+from fedbench.algorithms._about import About
+from fedbench.algorithms._shared import (
+    WithTrainer,
+    base_columns,
+    make_engine,
+    state_entries,
+    train_on,
+)
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import fraction
 from fedbench.errors import ConfigError
@@ -63,6 +69,16 @@ class SplitGPParams:
 
 @ALGORITHMS.register()
 class SplitGP(WithTrainer, Algorithm):
+    about = About(
+        name="SplitGP",
+        paper="Han et al., 2023 (SplitGP)",
+        summary=(
+            "client body + small auxiliary head, server head; loss gamma CE(aux) + "
+            "(1-gamma) CE(server); body mixed gamma own + (1-gamma) mean "
+            "(`algo.eval_head=global|client`)"
+        ),
+        docs="papers/fedpg.md#splitgp-splitgp",
+    )
     Params = SplitGPParams
     has_global = True
     attackable = True

@@ -7,6 +7,15 @@ a stated folder of `results/`, pasted between two markers that name the command:
     (the command's output)
     <!-- end -->
 
+The algorithm tables (the README's, docs/README.md's rows) are generated the same way from
+the algorithm registry and each class's `about` (fedbench/algorithms/_about.py), between
+
+    <!-- fedbench-registry algorithms -->
+    (the table)
+    <!-- end -->
+
+(`algorithms`, `not-yet`, `docs-index`: the keys of `_about.TABLES`).
+
 `update(files)` runs every marked command (from the repository root) and rewrites what lies
 between its markers; `stale(files)` lists the blocks whose text differs from what the command
 prints today (tests/test_docs_tables.py fails on one, naming the file and the command;
@@ -25,7 +34,10 @@ from pathlib import Path
 from fedbench.report.collect import ReportError
 
 REPO = Path(__file__).resolve().parents[2]
-BEGIN = re.compile(r"^<!-- fedbench-report (?P<args>.+?) -->[ \t]*$", re.M)
+BEGIN = re.compile(
+    r"^<!-- (?P<tool>fedbench-report|fedbench-registry) (?P<args>.+?) -->[ \t]*$", re.M
+)
+REGISTRY = "fedbench-registry"
 END = "<!-- end -->"
 
 
@@ -33,6 +45,7 @@ END = "<!-- end -->"
 class Block:
     """One marked table: the command's arguments and where its text lies in the file."""
 
+    tool: str  # "fedbench-report" (a report on results/) or "fedbench-registry" (a table)
     path: Path
     line: int  # 1-based line of the begin marker
     args: tuple[str, ...]
@@ -42,7 +55,7 @@ class Block:
 
     @property
     def command(self) -> str:
-        return shlex.join(["fedbench-report", *self.args])
+        return shlex.join([self.tool, *self.args])
 
 
 def blocks(path: Path, text: str | None = None) -> list[Block]:
@@ -56,10 +69,18 @@ def blocks(path: Path, text: str | None = None) -> list[Block]:
         line = text.count("\n", 0, m.start()) + 1
         if end < 0 or (nxt is not None and nxt.start() < end):
             raise ReportError(f"{path}:{line}: a fedbench-report marker without its {END}")
-        args = tuple(shlex.split(m.group("args")))
-        if "--format" not in args or args[args.index("--format") + 1 :][:1] != ("markdown",):
+        args, tool = tuple(shlex.split(m.group("args"))), m.group("tool")
+        if tool == REGISTRY:
+            from fedbench.algorithms._about import TABLES
+
+            if len(args) != 1 or args[0] not in TABLES:
+                raise ReportError(
+                    f"{path}:{line}: {REGISTRY} takes one of {', '.join(TABLES)}, not "
+                    f"{m.group('args')!r}"
+                )
+        elif "--format" not in args or args[args.index("--format") + 1 :][:1] != ("markdown",):
             raise ReportError(f"{path}:{line}: a docs table needs --format markdown")
-        out.append(Block(path, line, args, start, end, text[start:end]))
+        out.append(Block(tool, path, line, args, start, end, text[start:end]))
     return out
 
 
@@ -84,12 +105,36 @@ def docs_files(root: Path = REPO) -> list[Path]:
     return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
 
 
-def stale(files: list[Path], root: Path = REPO) -> list[tuple[Block, str]]:
-    """(block, what the command prints today) for every block whose text differs."""
+def registry_output(name: str, page: Path) -> str:
+    """Table `name` of fedbench/algorithms/_about.py for the registered algorithms, with its
+    links relative to `page`, as it sits between the markers."""
+    from fedbench.algorithms import ALGORITHMS
+    from fedbench.algorithms._about import TABLES
+
+    algos = {n: ALGORITHMS.get(n) for n in ALGORITHMS.names()}
+    try:
+        table = TABLES[name](algos, page)
+    except ValueError as e:  # an algorithm's `about` is wrong: one line naming it
+        raise ReportError(f"{REGISTRY} {name}: {e}") from None
+    return "\n" + table.rstrip("\n") + "\n\n"
+
+
+def fresh_text(b: Block, root: Path = REPO) -> str:
+    """What block `b` should hold today."""
+    if b.tool == REGISTRY:
+        return registry_output(b.args[0], b.path)
+    return output(b.args, root)
+
+
+def stale(files: list[Path], root: Path = REPO, tool: str | None = None) -> list[tuple[Block, str]]:
+    """(block, what the command prints today) for every block (of `tool`, or all) whose text
+    differs."""
     out = []
     for path in files:
         for b in blocks(path):
-            fresh = output(b.args, root)
+            if tool is not None and b.tool != tool:
+                continue
+            fresh = fresh_text(b, root)
             if fresh != b.text:
                 out.append((b, fresh))
     return out
@@ -105,7 +150,7 @@ def update(files: list[Path], root: Path = REPO) -> list[Block]:
         found = blocks(path, text)
         new, last = [], 0
         for b in found:
-            fresh = output(b.args, root)
+            fresh = fresh_text(b, root)
             new += [text[last : b.start], fresh]
             last = b.end
             if fresh != b.text:
