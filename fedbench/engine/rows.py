@@ -47,10 +47,12 @@ class SavedRows:
     read: Callable[[str, str], bytes]
 
 
-def _ids(idx: Any) -> tuple[torch.Tensor, bool]:
+def _ids(idx: Any, n: int) -> tuple[torch.Tensor, bool]:
     """(client indices as a CPU long tensor [C], whether `idx` was one int)."""
     if isinstance(idx, int | np.integer):
         return torch.tensor([int(idx)]), True
+    if isinstance(idx, slice):
+        return torch.arange(n)[idx], False
     if isinstance(idx, torch.Tensor):
         if idx.dtype == torch.bool:
             raise TypeError("ClientRows: index with client ids, not a boolean mask")
@@ -58,6 +60,11 @@ def _ids(idx: Any) -> tuple[torch.Tensor, bool]:
             return idx.detach().reshape(1).to("cpu", torch.long), True
         return idx.detach().reshape(-1).to("cpu", torch.long), False
     return torch.as_tensor(np.asarray(idx, dtype=np.int64)).reshape(-1), False
+
+
+def _split(idx: Any) -> tuple[Any, tuple]:
+    """(the clients, the index into each row): `rows[clients, cols]` as a tensor reads."""
+    return (idx[0], idx[1:]) if isinstance(idx, tuple) else (idx, ())
 
 
 class ClientRows:
@@ -113,13 +120,19 @@ class ClientRows:
         return out
 
     def __getitem__(self, idx: Any) -> torch.Tensor:
-        ids, one = _ids(idx)
+        idx, cols = _split(idx)
+        ids, one = _ids(idx, self.n)
         self.touched[ids] = True
         out = self._host_rows(ids).to(self.device)
-        return out[0] if one else out
+        return out[0][cols] if one else out[(slice(None), *cols)]
 
-    def __setitem__(self, idx: Any, value: torch.Tensor) -> None:
-        ids, _ = _ids(idx)
+    def __setitem__(self, idx: Any, value: torch.Tensor | float) -> None:
+        idx, cols = _split(idx)
+        if cols:  # part of each row: read the rows, change that part, write them back
+            rows = self[idx]
+            rows[cols if isinstance(idx, int | np.integer) else (slice(None), *cols)] = value
+            value = rows
+        ids, _ = _ids(idx, self.n)
         v = torch.as_tensor(value).detach().to("cpu", self.dtype)
         self._allocate()
         assert self._data is not None
@@ -132,6 +145,31 @@ class ClientRows:
         """Every row on the device [N, ...]: for the few algorithms that combine all
         clients' rows at once (N rows of device memory)."""
         return self[torch.arange(self.n)]
+
+    def clone(self) -> torch.Tensor:
+        """A copy of every row (`all`), as `tensor.clone()`."""
+        return self.all()
+
+    def copy_(self, src: torch.Tensor) -> ClientRows:
+        """Every row set to `src` ([N, ...] or one row, broadcast), as `tensor.copy_`."""
+        self[torch.arange(self.n)] = src
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        """Tensor methods that read (`rows.abs()`, `rows.sum(0)`) act on every row (`all`);
+        in-place ones (a trailing `_`) would change a copy, so they are refused."""
+        if name.startswith("_") or name.endswith("_") or not hasattr(torch.Tensor, name):
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return getattr(self.all(), name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """A torch function given a store sees every row (`all`): `torch.equal(rows, t)`,
+        `t - rows` read as on the [N, ...] tensor the store replaces."""
+        from torch.utils._pytree import tree_map
+
+        whole = lambda x: x.all() if isinstance(x, ClientRows) else x  # noqa: E731
+        return func(*tree_map(whole, tuple(args)), **tree_map(whole, kwargs or {}))
 
     def _allocate(self) -> None:
         """The host rows, at the first write: memory, or a memory-mapped file past the
