@@ -14,6 +14,17 @@ the new checkpoint's bytes are written and synced under a temporary name; the di
 then lists both the current checkpoint's digest and the new one; the new checkpoint is
 renamed into place; the digest file then lists the new one only. A checkpoint saved by an
 older fedbench (no digest file, no `format` entry) is verified by its zip's CRC-32s.
+
+Per-client rows (`fedbench.engine.ClientRows`: personal models, control variates, kept
+optimizer state) are not in `checkpoint.pt`: each store is cut into shards of consecutive
+clients, raw bytes in `checkpoint.rows/<store>.<shard>.<sha256[:16]>.bin`, and `checkpoint.pt`
+holds the store's manifest (every shard's file name and SHA-256). A save writes the shards
+holding a row written since the last save, under names never used by the checkpoint on disk,
+before `checkpoint.pt` is replaced; once the new pair is in place, the shard files it does
+not name are removed. So a kill at any moment leaves the checkpoint that verifies with all
+its shards, and a checkpoint's bytes follow the clients that trained since the previous one.
+A load verifies each shard's SHA-256 against the (verified) manifest; a resume checks them all
+before anything is written (`check_resume`). Shards are raw numbers: loading runs no code.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import pickle
 import warnings
 import zipfile
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -36,6 +48,7 @@ from torch.torch_version import TorchVersion
 
 import fedbench
 from fedbench.engine.prox import LayerRank
+from fedbench.engine.rows import ROWS_KEY, ClientRows, SavedRows
 from fedbench.errors import ConfigError, FedbenchError
 from fedbench.io import atomic_write, atomic_write_text
 from fedbench.rundir import holds_run
@@ -44,6 +57,7 @@ from fedbench.trees import flat_items, plain
 log = logging.getLogger("fedbench")
 
 CHECKPOINT = "checkpoint.pt"
+ROWS_DIR = "checkpoint.rows"  # the shards of per-client rows, beside checkpoint.pt
 DIGEST_SUFFIX = ".sha256"  # checkpoint.pt.sha256: the checkpoint's SHA-256, as sha256sum writes
 # 2: the digest file exists and the state is data only. A checkpoint without the key is an
 # older fedbench's (no digest file: its zip CRCs are checked instead).
@@ -174,6 +188,7 @@ def check_resume(cfg: DictConfig, out: str | Path, *, expect_run: bool = False) 
             )
         return None
     state, _ = load_verified(path, mmap=True)
+    verify_rows(state, path)  # every shard of per-client rows, before anything is written
     saved, source = state.get("config"), path
     if saved is None:  # an older fedbench's checkpoint: its run's .hydra/config.yaml
         source = out / ".hydra" / "config.yaml"
@@ -395,11 +410,66 @@ def _write_digests(path: Path, digests: list[str]) -> None:
     atomic_write_text(digest_path(path), lines)
 
 
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _externalize(x: Any, write) -> tuple[Any, int]:
+    """`x` with every `ClientRows` replaced by its manifest, its changed shards written by
+    `write`; and the shard bytes written."""
+    if isinstance(x, ClientRows):
+        return x.save(write)
+    if isinstance(x, SavedRows):  # a loaded state saved again: its shards are on disk
+        return x.manifest, 0
+    if type(x) in (dict, OrderedDict):
+        out, n = type(x)(), 0
+        for k, v in x.items():
+            out[k], m = _externalize(v, write)
+            n += m
+        if hasattr(x, "_metadata"):
+            out._metadata = x._metadata  # type: ignore[attr-defined]
+        return out, n
+    if type(x) in (list, tuple):
+        parts = [_externalize(v, write) for v in x]
+        return type(x)(p for p, _ in parts), sum(m for _, m in parts)
+    return x, 0
+
+
+def _manifests(x: Any) -> Iterator[Any]:
+    """The rows stores of a checkpoint's state: manifests (plain dicts, as saved) or
+    `SavedRows` (as loaded)."""
+    if isinstance(x, SavedRows):
+        yield x
+    elif isinstance(x, dict):
+        if x.get(ROWS_KEY) is not None:
+            yield x
+        else:
+            for v in x.values():
+                yield from _manifests(v)
+    elif isinstance(x, list | tuple):
+        for v in x:
+            yield from _manifests(v)
+
+
+def _shard_files(state: dict) -> set[str]:
+    return {str(f) for m in _manifests(state) for f, _ in m["shards"].values()}  # saved form
+
+
 def save(path: Path, state: dict, previous: str | None = None) -> tuple[int, str]:
     """Write `state` to `path` (streamed, atomically) and its SHA-256 to `path`.sha256, in an
-    order that a kill at any moment leaves verifiable (module docstring). `previous`: the
-    digest of the checkpoint now at `path` (computed when None and the file exists). Returns
-    the bytes written and the new digest."""
+    order that a kill at any moment leaves verifiable (module docstring), its per-client rows
+    as shards in `checkpoint.rows/` (the changed ones). `previous`: the digest of the
+    checkpoint now at `path` (computed when None and the file exists). Returns the bytes
+    written (checkpoint.pt and the shards) and the new digest."""
+    rows_dir = path.parent / ROWS_DIR
+
+    def write_shard(stem: str, data: bytes) -> tuple[str, str]:
+        digest = _sha256(data)
+        name = f"{stem}.{digest[:16]}.bin"
+        atomic_write(rows_dir / name, lambda f: f.write(data))
+        return name, digest
+
+    state, shard_bytes = _externalize(state, write_shard)
     data = _data_only(state)
     if previous is None and path.exists():
         previous = file_digest(path)
@@ -411,7 +481,12 @@ def save(path: Path, state: dict, previous: str | None = None) -> tuple[int, str
     size = atomic_write(path, lambda f: torch.save(data, _Hashing(f, h)), before_replace=announce)
     digest = h.hexdigest()
     _write_digests(path, [digest])
-    return size, digest
+    if rows_dir.is_dir():  # shards no checkpoint names any more (and a killed save's)
+        keep = _shard_files(data)
+        for p in rows_dir.iterdir():
+            if p.name not in keep:
+                p.unlink(missing_ok=True)
+    return size + shard_bytes, digest
 
 
 def file_digest(path: Path) -> str:
@@ -507,6 +582,63 @@ def load_verified(
             "checkpoint, or start a new run directory"
         )
     return state, digest
+
+
+def load_run_state(path: Path, map_location: str | torch.device = "cpu") -> tuple[dict, str]:
+    """`load_verified`, with every per-client rows manifest as `SavedRows` whose shards are
+    read (and verified) from `checkpoint.rows/` beside `path` when a store loads them."""
+    state, digest = load_verified(path, map_location)
+    return _with_rows(state, Path(path).parent / ROWS_DIR), digest
+
+
+def _shard_reader(rows_dir: Path):
+    """`read(file, sha256) -> bytes` of a shard, verified; CheckpointError (one line)."""
+
+    def read(name: str, digest: str) -> bytes:
+        p = rows_dir / name
+        if Path(name).name != name:
+            raise CheckpointError(f"resume: {rows_dir} names a shard outside it ({name!r})")
+        try:
+            data = p.read_bytes()
+        except OSError as e:
+            raise CheckpointError(
+                f"resume: {p} cannot be read ({e.strerror or e}); the checkpoint's per-client "
+                "rows are incomplete: restore the folder with its checkpoint, or start a new "
+                "run directory"
+            ) from None
+        if _sha256(data) != digest:
+            raise CheckpointError(
+                f"resume: {p} was damaged or changed after it was saved (its SHA-256 is not "
+                f"the one in {CHECKPOINT}); restore it, or start a new run directory"
+            )
+        return data
+
+    return read
+
+
+def _with_rows(x: Any, rows_dir: Path) -> Any:
+    """The state with every rows manifest as `SavedRows`, read from `rows_dir` on load."""
+    if isinstance(x, dict):
+        if x.get(ROWS_KEY) is not None:
+            return SavedRows(x, _shard_reader(rows_dir))
+        for k, v in x.items():
+            x[k] = _with_rows(v, rows_dir)
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            x[i] = _with_rows(v, rows_dir)
+    elif isinstance(x, tuple):
+        return tuple(_with_rows(v, rows_dir) for v in x)
+    return x
+
+
+def verify_rows(state: dict, path: Path) -> None:
+    """Read and verify every shard the rows of the checkpoint at `path` name
+    (CheckpointError, one line)."""
+    read = _shard_reader(Path(path).parent / ROWS_DIR)
+    for m in _manifests(state):
+        m = m.manifest if isinstance(m, SavedRows) else m
+        for name, digest in m["shards"].values():
+            read(str(name), str(digest))
 
 
 def _globals(path: Path, err: Exception) -> str:

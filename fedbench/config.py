@@ -67,6 +67,7 @@ class EngineParams:
     drop_last: bool
     chunk_clients: int | None = at_least(1)
     memory_budget: float | None = positive()
+    host_rows_gib: float = nonneg()  # per-client rows above this: a memory-mapped file
 
 
 @dataclass

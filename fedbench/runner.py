@@ -52,6 +52,7 @@ from fedbench.data.federation import Federation
 from fedbench.data.sources import load_dataset
 from fedbench.data.splits import eval_sets, make_partition
 from fedbench.engine import Engine
+from fedbench.engine.rows import GIB, RowsPolicy
 from fedbench.errors import ConfigError, FedbenchError
 from fedbench.evaluation import SETS, VAL, better, evaluate, resolve_select, selected, summaries
 from fedbench.io import CsvAppender, atomic_write_json, atomic_write_text
@@ -276,6 +277,8 @@ class Run:
             eval_batch_size=int(cfg.eval.batch_size),
             chunk_clients=None if ecfg.get("chunk_clients") is None else int(ecfg.chunk_clients),
             memory_budget=None if ecfg.get("memory_budget") is None else float(ecfg.memory_budget),
+            # per-client rows off the device; a store past host_rows_gib: a mapped file here
+            rows=RowsPolicy(int(float(ecfg.get("host_rows_gib", 2.0)) * GIB), self.out / "rows"),
         )
         # malicious clients (fedbench/attack.py): they act in Algorithm.receive only
         self.attack = Attack.from_cfg(cfg, n)  # seeds its own generators, not torch's
@@ -523,7 +526,7 @@ class Run:
         """Load the verified checkpoint into the algorithm, engine and generators; cut
         metrics.csv and clients.csv back to what it recorded. Returns the loop's progress."""
         path = self.out / CHECKPOINT
-        state, self._ckpt_digest = checkpoint.load_verified(path, map_location=self.device)
+        state, self._ckpt_digest = checkpoint.load_run_state(path, map_location=self.device)
         checkpoint.restore_state(self, state)
         progress = _upgrade_progress(state["progress"])
         progress = checkpoint.drop_final_only(progress, rounds, every)

@@ -254,6 +254,7 @@ def make_engine(algo, model: nn.Module, fed=None) -> Engine:
         eval_batch_size=e.eval_batch_size,
         chunk_clients=e.chunk_clients,
         memory_budget=e.memory_budget,
+        rows=e.rows_policy,
     )
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from fedbench.algorithms._about import About
 from fedbench.algorithms._server import ServerOptimizer, ServerOptSettings
 from fedbench.algorithms.params import typed_params
-from fedbench.engine import Engine, OptimConfig, TrainResult
+from fedbench.engine import ClientRows, Engine, OptimConfig, TrainResult
 from fedbench.errors import ConfigError
 from fedbench.paths import CONF_DIR
 from fedbench.registry import Registry
@@ -273,9 +273,19 @@ class Algorithm:
             state["server_opt"] = self.server_opt.state_dict()
         return state
 
+    def client_rows(self, name: str, default: torch.Tensor) -> ClientRows:
+        """One row per client kept off the device (`Engine.client_rows`), every row `default`
+        until written: a round reads and writes its sampled clients' rows only. Name it after
+        its attribute in `state_keys` (its checkpoint shards are named after it)."""
+        return self.engine.client_rows(f"{self.name}.{name}", default)
+
     def load_state_dict(self, state: dict) -> None:
         for k in self.state_keys:
             v = state[k]
+            cur = getattr(self, k, None)
+            if isinstance(cur, ClientRows):
+                cur.load(v)  # shards verified as they are read (fedbench/checkpoint.py)
+                continue
             setattr(self, k, v.to(self.device) if isinstance(v, torch.Tensor) else v)
         if self.server_opt.active:
             self.server_opt.load_state_dict(state.get("server_opt", {}), self.device)
@@ -283,13 +293,14 @@ class Algorithm:
 
 class TrainedOrGlobal:
     """Mixin for a global state `w` [D] plus, per client, the state it ended its last visit
-    with (`theta` [N, D]): the personalized model of FedAvg-like methods (docs/metrics.md);
-    a client never sampled deploys w. Call `init_rows()` once `w` is set."""
+    with (`theta` [N, D] rows off the device, `client_rows`): the personalized model of
+    FedAvg-like methods (docs/metrics.md); a client never sampled deploys w. Call
+    `init_rows()` once `w` is set."""
 
     has_global: ClassVar[bool] = True
 
     def init_rows(self) -> None:
-        self.theta = self.w.repeat(self.N, 1)
+        self.theta = self.client_rows("theta", self.w)  # every row w^0 until trained
         self.seen = torch.zeros(self.N, dtype=torch.bool, device=self.device)
 
     def set_trained(self, idx: torch.Tensor, states: torch.Tensor) -> None:
@@ -298,7 +309,7 @@ class TrainedOrGlobal:
         self.seen[idx] = True
 
     def personal_states(self) -> torch.Tensor:
-        return torch.where(self.seen[:, None], self.theta, self.w)
+        return torch.where(self.seen[:, None], self.theta.all(), self.w)
 
     def personal_state(self, i: int) -> torch.Tensor:
         return self.theta[i] if bool(self.seen[i]) else self.w

@@ -60,7 +60,7 @@ class FedRep(Algorithm):
         self.body_mask = ~self.head_mask
         self.head_entries = state_entries(self.head_mask, spec.n_state)  # [D]: the head
         self.phi = engine.initial_state()  # [D] global representation (head entries unused)
-        self.heads = self.phi[self.head_entries].repeat(self.N, 1)  # [N, H] personal heads
+        self.heads = self.client_rows("heads", self.phi[self.head_entries])  # [N, H] heads
 
     # ------------------------------------------------------------------ pieces
     def states_of(self, clients) -> torch.Tensor:

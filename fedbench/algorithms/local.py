@@ -28,7 +28,7 @@ class Local(Algorithm):
 
     def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
         super().__init__(cfg, fed, engine, model_fn, **kw)
-        self.theta = engine.initial_state().repeat(self.N, 1)
+        self.theta = self.client_rows("theta", engine.initial_state())  # [N, D] off the device
 
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
@@ -37,7 +37,7 @@ class Local(Algorithm):
         return RoundReport(res.loss.mean(), self.comm(clients, up=0, down=0))
 
     def personal_states(self) -> torch.Tensor:
-        return self.theta
+        return self.theta.all()
 
     def personal_state(self, i: int) -> torch.Tensor:
         return self.theta[i]

@@ -64,7 +64,7 @@ class Scaffold(Algorithm):
         P = engine.n_params
         self.x = engine.initial_state()  # [D] server model
         self.c = torch.zeros(P, device=self.device)  # [P] server control variate
-        self.c_i = torch.zeros(self.N, P, device=self.device)  # [N, P] clients' control variates
+        self.c_i = self.client_rows("c_i", torch.zeros(P))  # [N, P] clients' control variates
 
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)

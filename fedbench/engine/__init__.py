@@ -14,6 +14,8 @@ One engine interface, two equal backends:
                   flat vectors (sequential training, evaluation, hand-written steps).
 - `schedule.py`   `Schedule`: a client's batches, from (seed, round, client, salt) only.
 - `store.py`      `OptimStates`: optimizer state kept across rounds, per slot and client.
+- `rows.py`       `ClientRows`: one row per client off the device (host memory or a
+                  memory-mapped file), a round's rows moved; incremental checkpoint shards.
 - `memory.py`     `MemoryModel`: bytes per client and chunk sizes of the vmap backend.
 - `optim.py`, `terms.py`, `spec.py`: fused optimizers, loss terms, the flat state layout;
   `lwsam.py` (PLGU's layer-wise SAM), `prox.py` (FedSLR's proximal operators).
@@ -25,17 +27,20 @@ need when the engine builds them and import neither the engine nor each other.
 from fedbench.engine.core import Engine
 from fedbench.engine.optim import OptimConfig
 from fedbench.engine.plan import SAM, GradResult, TrainPlan, TrainResult
+from fedbench.engine.rows import ClientRows, RowsPolicy
 from fedbench.engine.spec import ModelSpec
 from fedbench.engine.terms import Linear, Proximal, Term
 
 __all__ = [
     "SAM",
+    "ClientRows",
     "Engine",
     "GradResult",
     "Linear",
     "ModelSpec",
     "OptimConfig",
     "Proximal",
+    "RowsPolicy",
     "Term",
     "TrainPlan",
     "TrainResult",

@@ -41,6 +41,7 @@ from fedbench.engine.plan import (
     TrainPlan,
     TrainResult,
 )
+from fedbench.engine.rows import ClientRows, RowsPolicy
 from fedbench.engine.schedule import Schedule
 from fedbench.engine.sequential import SequentialBackend
 from fedbench.engine.spec import ModelSpec
@@ -69,6 +70,7 @@ class Engine:
         eval_batch_size: int = 2048,
         chunk_clients: int | None = None,
         memory_budget: float | None = None,
+        rows: RowsPolicy | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"engine.backend={backend!r}; valid: {', '.join(BACKENDS)}")
@@ -84,7 +86,8 @@ class Engine:
         self.eval_batch_size = eval_batch_size
         self.module = FlatModule(self.model, self.spec, self.device)
         self.batch_schedule = Schedule(fed, self.device, seed=seed, drop_last=drop_last)
-        self.optim_states = OptimStates(fed.num_clients)
+        self.rows_policy = rows or RowsPolicy()  # where per-client rows live (`client_rows`)
+        self.optim_states = OptimStates(fed.num_clients, self.device, self.rows_policy)
         # vmap: clients per batched chunk (None: by memory), GiB per chunk (None: half free)
         self.memory = MemoryModel(
             self.model,
@@ -223,6 +226,14 @@ class Engine:
             self._logged.add(msg)
             log.info(msg)
         return choice
+
+    # ------------------------------------------------------------------ per-client rows
+    def client_rows(self, name: str, default: torch.Tensor) -> ClientRows:
+        """A store of one row per client, off the device (`engine.rows`), every row
+        `default` until written; `name` is unique in the run (its checkpoint shards)."""
+        return ClientRows(
+            self.fed.num_clients, default, device=self.device, name=name, policy=self.rows_policy
+        )
 
     # ------------------------------------------------------------------ kept optimizer state
     def state_dict(self) -> dict:

@@ -6,6 +6,7 @@ loops of `fedbench/algorithms/_steps.py` (`engine.optim_states.get/keep`, e.g. D
 "personal" and "main", APPLE's "core"). A slot names one model a client trains (a client
 training two models in a round keeps two states). Without `persist_state` every call starts
 from a fresh (zero) state and nothing is kept. Checkpointed through `Engine.state_dict`.
+The rows live off the device (`ClientRows`, `engine.rows`): a round moves its clients' rows.
 """
 
 from __future__ import annotations
@@ -13,14 +14,23 @@ from __future__ import annotations
 import torch
 
 from fedbench.engine.optim import OptimConfig, init_state
+from fedbench.engine.rows import ClientRows, RowsPolicy, SavedRows
 
 
 class OptimStates:
-    """Kept optimizer state: `slots[slot][name]` is [N, ...], one row per client."""
+    """Kept optimizer state: `slots[slot][name]` holds [N, ...] rows, one per client."""
 
-    def __init__(self, n_clients: int) -> None:
+    def __init__(
+        self, n_clients: int, device: torch.device | str = "cpu", policy: RowsPolicy | None = None
+    ) -> None:
         self.n_clients = n_clients
-        self.slots: dict[str, dict[str, torch.Tensor]] = {}
+        self.device = torch.device(device)
+        self.policy = policy
+        self.slots: dict[str, dict[str, ClientRows]] = {}
+
+    def _rows(self, slot: str, k: str, default: torch.Tensor) -> ClientRows:
+        n, name = self.n_clients, f"optim.{slot}.{k}"
+        return ClientRows(n, default, device=self.device, name=name, policy=self.policy)
 
     def get(
         self, cfg: OptimConfig, slot: str, clients: int | torch.Tensor, w: torch.Tensor
@@ -34,8 +44,8 @@ class OptimStates:
         store = self.slots.setdefault(slot, {})
         for k, v in fresh.items():
             if k not in store:
-                store[k] = torch.zeros((self.n_clients,) + v.shape[-1:], device=v.device)
-        return {k: store[k][clients].clone() for k in fresh}
+                store[k] = self._rows(slot, k, torch.zeros(v.shape[-1:], dtype=v.dtype))
+        return {k: store[k][clients].to(w.device) for k in fresh}
 
     def keep(
         self,
@@ -53,6 +63,17 @@ class OptimStates:
         return {"persist": self.slots}
 
     def load_state_dict(self, state: dict, device: torch.device) -> None:
-        self.slots = {
-            slot: {k: v.to(device) for k, v in d.items()} for slot, d in state["persist"].items()
-        }
+        """Rows of a checkpoint: `SavedRows` (sharded), or [N, ...] tensors (older ones)."""
+        self.device = torch.device(device)
+        self.slots = {}
+        for slot, d in state["persist"].items():
+            for k, v in d.items():
+                if isinstance(v, SavedRows):
+                    default = v.manifest["default"]
+                elif isinstance(v, ClientRows):
+                    default = v.default
+                else:
+                    default = torch.zeros(v.shape[1:], dtype=v.dtype)
+                rows = self._rows(slot, k, default)
+                rows.load(v)
+                self.slots.setdefault(slot, {})[k] = rows
