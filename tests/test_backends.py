@@ -105,6 +105,13 @@ def assert_close_tree(a, b, path: str = "state") -> None:
         assert a == b, path
 
 
+# State that is a discontinuous function of the trained models, left out of the BatchNorm /
+# augmentation comparison (its inputs are compared): FedCAC's theta takes top-tau masks of
+# |(after - before) * after| per layer, and a 1e-8 difference between the backends' trained
+# models can swap a parameter at the threshold (no test may hang on such a tie).
+DISCONTINUOUS = {"fedcac": {"theta"}}
+
+
 def assert_same_runs(name: str, monkeypatch, rounds: int, image=None) -> None:
     """The vmap run equals the sequential one (where vmap ran at all)."""
     vm_state, vm_hits, vm_chosen = run_rounds(name, "vmap", monkeypatch, rounds, image)
@@ -115,6 +122,11 @@ def assert_same_runs(name: str, monkeypatch, rounds: int, image=None) -> None:
     seq_state, seq_hits, seq_chosen = run_rounds(name, "sequential", monkeypatch, rounds, image)
     assert set(seq_chosen) == {"sequential"}
     assert len(vm_chosen) == len(seq_chosen)  # the same train calls
+    skip = DISCONTINUOUS.get(name, set()) if image is not None else set()
+    if skip:
+        seq_state = {k: v for k, v in seq_state.items() if k not in skip}
+        vm_state = {k: v for k, v in vm_state.items() if k not in skip}
+        seq_hits = vm_hits = []  # the personalized models are the skipped state
     assert_close_tree(seq_state, vm_state)
     for s, v in zip(seq_hits, vm_hits):
         # float differences of ~1e-6 may flip a prediction whose two top logits tie
