@@ -199,6 +199,14 @@ def check_resume(cfg: DictConfig, out: str | Path, *, expect_run: bool = False) 
             )
         saved = _saved_config(source, cfg)
     _refuse_differences(saved, cfg, source)
+    if state.get("augment") is not None:
+        # fedbench before keyed augmentation: its crops came from one federation-wide
+        # stream, which this fedbench no longer draws; a resume would mix the two
+        raise ConfigError(
+            f"{_flag(cfg)}: {path} was saved by an older fedbench whose data.augment crops "
+            "came from one shared stream; this version draws them per client and batch, "
+            "so the run cannot continue exactly: start a new run directory"
+        )
     done = int(state["progress"]["next_round"])
     if int(cfg.rounds) < done:
         raise ConfigError(
@@ -283,13 +291,13 @@ class RunParts(Protocol):
     algo: Any
     engine: Any
     sampler: np.random.Generator
-    fed: Any
     attack: Any
     provenance: dict
 
 
 def run_state(run: RunParts, progress: dict) -> dict:
-    """Algorithm state, engine optimizer state, RNG states, the loop's progress, the config
+    """Algorithm state, engine optimizer state, RNG states (the client sampler's, the
+    attack's; augmentation is keyed, nothing to keep), the loop's progress, the config
     (a resume checks the new one against it) and the provenance (its data digest)."""
     return {
         "format": FORMAT,
@@ -297,7 +305,6 @@ def run_state(run: RunParts, progress: dict) -> dict:
         "algo": run.algo.state_dict(),
         "engine": run.engine.state_dict(),
         "sampler": run.sampler.bit_generator.state,
-        "augment": run.fed.rng_state(),
         # the attack's Gaussian stream (A1), so that a resumed run draws the same noise
         "attack": None if run.attack is None else run.attack.rng_state(),
         "version": fedbench.__version__,
@@ -311,7 +318,6 @@ def restore_state(run: RunParts, state: dict) -> None:
     run.algo.load_state_dict(state["algo"])
     run.engine.load_state_dict(state["engine"])
     run.sampler.bit_generator.state = state["sampler"]
-    run.fed.set_rng_state(state["augment"])
     if run.attack is not None and state.get("attack") is not None:
         run.attack.set_rng_state(state["attack"])
 

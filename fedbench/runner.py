@@ -257,7 +257,6 @@ class Run:
             g_idx=g_idx,
             augment=augment,
             normalize=normalize,
-            seed=seed,
         )
         self.labels_pool = np.concatenate([data.y_train.numpy(), data.y_test.numpy()])
         self.num_classes = data.num_classes

@@ -11,10 +11,10 @@ Floors, both measured by this script on the same device in the same run:
 Cases: (a) DiversiFed's FMNIST round: MLP 784-64-10, 40 clients x 300 samples, all sampled,
 E = 10, batch 100; (b) the FedAvg CNN (conv 64-64, FC 384-192) on 3x32x32 inputs, 100
 clients x 500 samples, 10 per round, E = 5, batch 50; (c) ResNet-8 (GroupNorm) on the same,
-(cbn) with BatchNorm (its running statistics keep vmap's clients on the sequential backend:
-the "runs as" column says so); (d) 500 small clients in a round (MLP 784-64-10, 40 samples
-each, E = 1, batch 20: two steps per client) and (d50) the same with 50 clients, which
-show how a round's cost grows with the number of clients.
+(cbn) with BatchNorm (running statistics as per-client batched buffers under vmap; the
+"runs as" column says which backend ran); (d) 500 small clients in a round (MLP 784-64-10,
+40 samples each, E = 1, batch 20: two steps per client) and (d50) the same with 50
+clients, which show how a round's cost grows with the number of clients.
 Data are random tensors of those shapes (speed does not depend on the values). Every
 implementation runs the same rounds (same sampled clients), interleaved, after one warm-up
 round; the table shows the MIN over the timed rounds (shared machines are noisy). Peak
@@ -274,7 +274,7 @@ def rss_child(case_key: str, impl: str) -> None:
 
 def runs_as(case: Case, fed: SyntheticFed, device: torch.device) -> dict[str, str]:
     """The backend each implementation's training runs on (vmap falls back to sequential
-    for BatchNorm), and auto's choice."""
+    where `Engine.backend_for` says), and auto's choice."""
     out = {"minimal": "hand-written"}
     for backend in ("sequential", "vmap", "auto"):
         eng = Engine(fed, case.make_model(), device=device, backend=backend)

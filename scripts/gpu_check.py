@@ -4,8 +4,8 @@ Checks, each reported pass / fail / n/a with its numbers:
 
 - agreement: every registered algorithm, 2 rounds on real Fashion-MNIST (6 clients, pat-2,
   60 training / 30 test samples each, batch 20, 1 epoch), with an MLP 784-32-10 and with a
-  LeNet-5 CNN with BatchNorm, on each engine backend (sequential, vmap; with BatchNorm the
-  engine runs vmap's clients on the sequential backend, and says so), compared with the
+  LeNet-5 CNN with BatchNorm, on each engine backend (sequential, vmap; where the engine
+  falls back to sequential it says so), compared with the
   same runs on the CPU in scripts/gpu_reference.json (made in advance with
   --make-reference --device cpu);
 - auto: device=auto puts the run (data, model, engine) on CUDA when a GPU is visible;

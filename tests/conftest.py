@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import re
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 
@@ -143,11 +144,18 @@ def bn_mlp():
     return FedModel(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU()), 8, 3)
 
 
-def make_algo(algo: str, extra=(), fed=None, lr: float | None = 0.1, backend: str = "auto"):
+def make_algo(
+    algo: str,
+    extra=(),
+    fed=None,
+    lr: float | None = 0.1,
+    backend: str = "auto",
+    model_fn=None,
+):
     """Algorithm `algo` on TinyFed (3 clients with 37, 20, 50 samples, 6 features, 3
-    classes), an MLP 6-8-3, batch 8, 1 epoch, optimizer lr `lr` (None: the config's), the
-    engine's `backend`, on TEST_DEVICE (`fed` is moved there). Returns (algorithm, engine,
-    federation)."""
+    classes), an MLP 6-8-3 (or `model_fn(fed)`'s model), batch 8, 1 epoch, optimizer lr `lr`
+    (None: the config's), the engine's `backend`, on TEST_DEVICE (`fed` is moved there).
+    Returns (algorithm, engine, federation)."""
     from fedbench.algorithms import ALGORITHMS
     from fedbench.engine import Engine
     from fedbench.models import build_model
@@ -156,7 +164,10 @@ def make_algo(algo: str, extra=(), fed=None, lr: float | None = 0.1, backend: st
     lr_override = [] if lr is None else [f"optim.lr={lr}"]
     cfg = compose([f"algo={algo}", "batch_size=8", *lr_override, *extra])
     torch.manual_seed(0)
-    model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8])  # noqa: E731
+    if model_fn is None:
+        model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8])  # noqa: E731
+    else:
+        model_fn = partial(model_fn, fed)
     eng = Engine(fed, model_fn(), device=TEST_DEVICE, backend=backend)
     return ALGORITHMS.get(algo)(cfg, fed, eng, model_fn), eng, fed
 

@@ -44,6 +44,7 @@ from fedbench.algorithms import ALGORITHMS
 from fedbench.checkpoint import CheckpointError, check_resume, load_run_state, load_verified, save
 from fedbench.engine import ClientRows, Engine
 from fedbench.errors import ConfigError
+from fedbench.trees import plain
 
 needs_fmnist = pytest.mark.skipif(not fmnist_available(), reason="FMNIST not installed")
 
@@ -257,6 +258,21 @@ def test_a_checkpoint_without_its_config_is_checked_against_hydra_config(tmp_pat
     (tmp_path / ".hydra" / "config.yaml").unlink()
     with pytest.raises(ConfigError, match="nothing to check this config against"):
         check_resume(longer, tmp_path)
+
+
+@pytest.mark.quick
+def test_a_checkpoint_with_the_old_shared_augmentation_stream_is_refused(tmp_path):
+    """Augmentation is keyed now (no generator state): a checkpoint that saved the old
+    federation-wide stream cannot continue exactly and is refused in one line; an old one
+    without augmentation (its "augment" None) resumes."""
+    cfg = compose([*TINY, "algo=fedavg", "rounds=3", "resume=true"])
+    config = plain(cfg)
+    save(tmp_path / "checkpoint.pt", minimal_state(2, config, augment=torch.zeros(5056)))
+    with pytest.raises(ConfigError, match="older fedbench whose data.augment") as e:
+        check_resume(cfg, tmp_path)
+    assert "\n" not in str(e.value)
+    save(tmp_path / "checkpoint.pt", minimal_state(2, config, augment=None))
+    assert check_resume(cfg, tmp_path).next_round == 2
 
 
 @pytest.mark.quick

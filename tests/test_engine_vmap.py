@@ -156,13 +156,15 @@ def test_auto_rule(tiny_fed, caplog):
     assert conv_eng.backend_for(3) == "sequential"  # CPU: grouped convolutions are slow
     conv_eng.device = torch.device("cuda")  # the rule only: nothing runs there
     assert conv_eng.backend_for(3) == "vmap"
-    bn = Engine(tiny_fed, mlp(mid=nn.BatchNorm1d(8)), device="cpu", backend="vmap")
-    assert bn.backend_for(3) == "sequential"  # running statistics: vmap would not match
+    bn = Engine(tiny_fed, mlp(mid=nn.BatchNorm1d(8)), device="cpu")
+    assert bn.backend_for(3) == "vmap"  # running statistics: per-client batched buffers
+    cumulative = Engine(tiny_fed, mlp(mid=nn.BatchNorm1d(8, momentum=None)), device="cpu")
+    assert cumulative.backend_for(3) == "sequential"  # one global counter, read as a number
     drop = Engine(tiny_fed, mlp(mid=nn.Dropout(0.1)), device="cpu", backend="vmap")
-    assert drop.backend_for(3) == "sequential"
+    assert drop.backend_for(3) == "sequential"  # masks from torch's global generator
     assert Engine(tiny_fed, mlp(), device="cpu", backend="vmap").backend_for(1) == "vmap"
-    tiny_fed.augment = True  # vmap would read the augmentation stream in another order
-    assert Engine(tiny_fed, mlp(), device="cpu").backend_for(3) == "sequential"
+    tiny_fed.augment = True  # keyed draws: both backends crop and flip alike
+    assert Engine(tiny_fed, mlp(), device="cpu").backend_for(3) == "vmap"
 
 
 @pytest.mark.quick

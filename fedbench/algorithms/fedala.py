@@ -51,10 +51,9 @@ RECONSTRUCTION (where the paper leaves it open, from the authors' ALA.py):
 - D_i^{s,t}: the first int(s n_i / 100) samples of a permutation of the client's training
   data seeded by (seed, round, client) (`Engine.schedule` with its own salt; at least one
   sample), read without data augmentation (the authors' ALA reads their un-augmented
-  tensors; an evaluation's ALA must not draw from the federation's augmentation stream), in
-  batches of the run's batch size, the last one partial, the same batches in the same order
-  every epoch (the authors: a random contiguous slice of their unshuffled data, an
-  unshuffled loader with drop_last=False).
+  tensors), in batches of the run's batch size, the last one partial, the same batches in
+  the same order every epoch (the authors: a random contiguous slice of their unshuffled
+  data, an unshuffled loader with drop_last=False).
 - p counts units of `model.layers()` (a Conv/Linear with its norm); the authors'
   `layer_idx` counts parameter tensors (their -p 2 = the head's weight and bias = p 1 here).
   Only p = 1 (the head) means the same in the paper: its p > 1 counts coarse blocks (on

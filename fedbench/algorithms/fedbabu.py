@@ -45,8 +45,8 @@ RECONSTRUCTION (the paper leaves these open):
   to it);
 - fine-tuning batches: the engine's schedule for (seed, round, client) with their own salt,
   so they differ from the round's training batches and are the same on every backend; with
-  `data.augment` the fine-tuning reads the federation's augmentation stream and puts its
-  state back afterwards, so how often a run evaluates never changes its training;
+  `data.augment` their crops are keyed the same way (no shared stream is read), so how often
+  a run evaluates never changes its training;
 - the paper fine-tunes once, after training; we fine-tune at every evaluation (from the
   global model then), so the personalized curve is FedBABU's fine-tuned accuracy over
   rounds (PFLlib evaluates the un-fine-tuned model during training and fine-tunes once at
@@ -145,12 +145,9 @@ class FedBABU(Algorithm):
         """[N, D]: every client's fine-tuned model from the current global model, one engine
         call for all clients, kept until the global model changes."""
         if self._tuned is None or self._tuned[0] is not self.w:
-            # called from evaluations (under no_grad): Engine.train enables autograd itself
-            # evaluation must not move the augmentation stream training reads next
-            aug = self.fed.rng_state() if hasattr(self.fed, "rng_state") else None
+            # called from evaluations (under no_grad): Engine.train enables autograd itself;
+            # its augmentation is keyed (round, client, salt): training's draws stay as they are
             rows = self.finetune(self.w, np.arange(self.N), self.last_round).states
-            if aug is not None:
-                self.fed.set_rng_state(aug)
             self._tuned = (self.w, rows)
         return self._tuned[1]
 

@@ -3,7 +3,9 @@
 Train and test splits are concatenated into one pool (see `splits.Partition`); clients hold
 index tensors into it, never copies. Images are normalized once at construction (float32;
 `normalize=False` keeps pixels in [0, 1]), so a batch is a gather; optional augmentation
-(random crop with padding, horizontal flip) runs on the device per training batch.
+(random crop with padding, horizontal flip) runs on the device per training batch, as drawn
+by `draw_augment` from a generator the caller keys (the engine's `Schedule`: seed, round,
+client, salt; one row per batch), so no stream is shared across clients or kept as state.
 """
 
 from __future__ import annotations
@@ -13,6 +15,16 @@ import torch
 
 from fedbench.data.sources import Dataset
 from fedbench.data.splits import Partition
+
+PAD = 4  # random crops: zero padding on each side, offsets in [0, 2 * PAD]
+
+
+def draw_augment(g: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+    """Crop offsets (y, x) and a flip bit per sample, int64 [*shape, 3], from `g` (CPU):
+    what `Federation.batch` needs to augment samples laid out as `shape`."""
+    off = torch.randint(0, 2 * PAD + 1, (*shape, 2), generator=g)
+    flip = torch.randint(0, 2, (*shape, 1), generator=g)
+    return torch.cat([off, flip], -1)
 
 
 def to_float(x: torch.Tensor, mean: tuple, std: tuple) -> torch.Tensor:
@@ -38,7 +50,6 @@ class Federation:
         g_idx: list[np.ndarray] | None = None,
         augment: bool = False,
         normalize: bool = True,
-        seed: int = 0,
     ) -> None:
         self.name = data.name
         self.device = torch.device(device)
@@ -64,15 +75,20 @@ class Federation:
         self.g_idx = dev(g_idx) if g_idx is not None else None
         self.train_sizes = torch.tensor([len(i) for i in partition.train], dtype=torch.float32)
         self.test_sizes = torch.tensor([len(i) for i in partition.test], dtype=torch.float32)
+        # images only: random crops and flips of a feature vector mean nothing
         self.augment = augment and len(self.input_shape) == 3
-        self._aug_gen = torch.Generator(device=self.device).manual_seed(seed) if augment else None
 
-    def batch(self, idx: torch.Tensor, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """The samples at pool positions `idx` (1-D)."""
+    def batch(
+        self, idx: torch.Tensor, train: bool = True, draws: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The samples at pool positions `idx` (1-D). A training read of an augmenting
+        federation crops and flips them as `draws` ([len(idx), 3], `draw_augment`) say."""
         # index_select: on CPU about twice as fast as advanced indexing for a row gather
         x = self.x.index_select(0, idx)
         if train and self.augment:
-            x = self._augment(x)
+            if draws is None:
+                raise ValueError("an augmented training read needs its draws (draw_augment)")
+            x = self._augment(x, draws.to(x.device))
         return x, self.y.index_select(0, idx)
 
     def labels(self, client: int, which: str = "train") -> torch.Tensor:
@@ -84,24 +100,16 @@ class Federation:
         idx = self.train_idx[client] if which == "train" else self.test_idx[client]
         return self.y[idx]
 
-    def rng_state(self) -> torch.Tensor | None:
-        return None if self._aug_gen is None else self._aug_gen.get_state()
-
-    def set_rng_state(self, state: torch.Tensor | None) -> None:
-        if self._aug_gen is not None and state is not None:
-            self._aug_gen.set_state(state.cpu())
-
-    def _augment(self, x: torch.Tensor, pad: int = 4) -> torch.Tensor:
-        """Random crop (zero padding `pad`) and horizontal flip, per sample, on the device."""
+    @staticmethod
+    def _augment(x: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+        """Crop (zero padding PAD) and horizontal flip, per sample as drawn, on the device."""
         n, _, h, w = x.shape
-        g = self._aug_gen
-        xp = torch.nn.functional.pad(x, (pad, pad, pad, pad))
-        oy = torch.randint(0, 2 * pad + 1, (n,), device=x.device, generator=g)
-        ox = torch.randint(0, 2 * pad + 1, (n,), device=x.device, generator=g)
+        xp = torch.nn.functional.pad(x, (PAD, PAD, PAD, PAD))
+        oy, ox = draws[:, 0], draws[:, 1]
         rows = (oy[:, None] + torch.arange(h, device=x.device))[:, None, :, None]
         cols = (ox[:, None] + torch.arange(w, device=x.device))[:, None, None, :]
         b = torch.arange(n, device=x.device)[:, None, None, None]
         ch = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
         out = xp[b, ch, rows, cols]
-        flip = torch.rand(n, device=x.device, generator=g) < 0.5
+        flip = draws[:, 2].bool()
         return torch.where(flip[:, None, None, None], out.flip(-1), out)

@@ -8,16 +8,16 @@ backends implement the same two calls, `train(plan, states)` and `full_grads(pla
 
 - `sequential.SequentialBackend`: one module reused for every client (`flat.FlatModule`);
 - `vmap.VmapBackend`: all clients of a call in one batched computation per step, the GPU's
-  fast path.
+  fast path (BatchNorm statistics as per-client batched buffers).
 
 The engine owns the pieces both get when they are built: the model and its `ModelSpec`,
-the `Schedule` (batches depend only on (seed, round, client, salt), so any backend
-reproduces the same numbers), the `OptimStates` store (optimizer state kept across rounds,
-also used by the hand-written loops of `fedbench/algorithms/_steps.py`, checkpointed through
-`state_dict`) and the `MemoryModel` (vmap's chunk sizes). It also evaluates (`correct`,
-`logits`) and serves hand-written loops (`batches`, `load`, `grad_at_loaded`, `grad`) on the
-sequential backend's module. Nothing in `fedbench/engine/` imports this module but the
-package's `__init__`.
+the `Schedule` (batches and their augmentation depend only on (seed, round, client, salt),
+so any backend reproduces the same numbers), the `OptimStates` store (optimizer state kept
+across rounds, also used by the hand-written loops of `fedbench/algorithms/_steps.py`,
+checkpointed through `state_dict`) and the `MemoryModel` (vmap's chunk sizes). It also
+evaluates (`correct`, `logits`) and serves hand-written loops (`batches`, `load`,
+`grad_at_loaded`, `grad`) on the sequential backend's module. Nothing in
+`fedbench/engine/` imports this module but the package's `__init__`.
 """
 
 from __future__ import annotations
@@ -176,27 +176,32 @@ class Engine:
         round: int = 0,
         salt: int = 0,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The client's mini-batches (x, y) in `schedule` order: the ones `train` steps
-        through, for hand-written loops that need the same batches."""
+        """The client's mini-batches (x, y) in `schedule` order, augmented as `train`'s
+        (`Schedule.draws`): the ones `train` steps through, for hand-written loops."""
         idx, lens = self.schedule(
             client, batch_size, epochs=epochs, steps=steps, round=round, salt=salt
         )
-        return self.batch_schedule.read(idx, lens)
+        draws = self.batch_schedule.draws(client, idx.shape, round=round, salt=salt)
+        return self.batch_schedule.read(idx, lens, draws)
 
     # ------------------------------------------------------------------ backends
     def backend_for(self, n_clients: int, objective: Objective | None = None) -> str:
         """The backend a train call over `n_clients` runs on; each choice is logged once.
 
-        1. `sequential` when asked, and wherever vmap cannot reproduce the sequential
-           numbers: a custom `objective` (any callable on the module), float buffers
-           (BatchNorm running statistics), dropout. An explicit `vmap` falls back there too.
+        Both backends give the same numbers (to float tolerance) wherever vmap runs: BatchNorm
+        statistics are per-client batched buffers, and augmentation draws from streams keyed
+        by (seed, round, client, salt, batch), not read in call order.
+
+        1. `sequential` when asked, and where vmap cannot run the same computation (an
+           explicit `vmap` falls back there too): a custom `objective` (an arbitrary callable
+           on the stateful module, not a function of the client's state that vmap can map);
+           dropout (its masks come from torch's global generator inside the forward, drawn
+           in the order forwards run); BatchNorm with momentum=None (its cumulative average
+           reads a step counter as a Python number, one per module, not per client).
         2. `vmap` when asked.
-           With data augmentation it draws the same batches but other random crops and
-           flips: the federation's one augmentation stream is read in another order.
         3. auto, one client: sequential (nothing to batch).
-        4. auto, data augmentation: sequential (auto never changes a run's numbers).
-        5. auto, CUDA: vmap (a per-client loop there is bound by kernel launches).
-        6. auto, CPU: vmap for models without convolutions (one batched matmul per layer
+        4. auto, CUDA: vmap (a per-client loop there is bound by kernel launches).
+        5. auto, CPU: vmap for models without convolutions (one batched matmul per layer
            instead of C small ones: 1.9x faster than the loop on the FMNIST MLP round of
            scripts/bench_engine.py), sequential with convolutions (vmap makes them grouped
            convolutions, 2x slower there than a loop on the FedAvg CNN round).
@@ -204,17 +209,12 @@ class Engine:
         if self.backend == "sequential":
             return "sequential"
         why_not = "a custom objective" if objective is not None else self._no_vmap
-        augment = bool(getattr(self.fed, "augment", False))
         if why_not is not None:
             choice, why = "sequential", f"vmap unavailable: {why_not}"
         elif self.backend == "vmap":
             choice, why = "vmap", "as configured"
-            if augment:
-                why += "; data.augment: other random crops and flips than sequential"
         elif n_clients < 2:
             choice, why = "sequential", "one client: nothing to batch"
-        elif augment:
-            choice, why = "sequential", "data.augment: vmap would draw other crops and flips"
         elif self.device.type == "cuda":
             choice, why = "vmap", "CUDA: all clients in one batched computation per step"
         elif self._has_conv:

@@ -65,11 +65,13 @@ class MemoryModel:
     def probe(self) -> tuple[int, int]:
         """Bytes of one sample's input and of what autograd saves for it in a step.
 
-        Measured on one and on two samples of the pool with saved-tensor hooks.
+        Measured on two and on four samples of the pool with saved-tensor hooks (BatchNorm
+        trains on more than one), on copies of the buffers (the module's stay as they are).
         """
-        # train=False: the federation's augmentation stream is not touched
-        x, y = self.fed.batch(torch.zeros(2, dtype=torch.long, device=self.device), train=False)
+        x, y = self.fed.batch(torch.zeros(4, dtype=torch.long, device=self.device), train=False)
         w = self.spec.flatten(self.model)[: self.spec.n_params].clone().requires_grad_(True)
+        tensors = {n: b.clone() for n, b in self.model.named_buffers()}
+        tensors.update(self.spec.param_views(w))
 
         def saved(n: int) -> int:
             seen: dict[tuple[int, int], int] = {}
@@ -79,11 +81,11 @@ class MemoryModel:
                 return t
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                logits = functional_call(self.model, self.spec.param_views(w), (x[:n],))
+                logits = functional_call(self.model, tensors, (x[:n],))
                 F.cross_entropy(logits, y[:n])
             return sum(seen.values())
 
-        return x[0].numel() * x.element_size(), saved(2) - saved(1)
+        return x[0].numel() * x.element_size(), (saved(4) - saved(2)) // 2
 
     def per_sample(self) -> tuple[int, int]:
         """`probe`'s (data, act), measured on first use."""

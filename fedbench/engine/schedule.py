@@ -4,6 +4,12 @@ A schedule depends only on (seed, round, client, salt) and the batch size, epoch
 not on the backend, the other clients of the call or what ran before. So both backends, and
 the hand-written loops of `fedbench/algorithms/_steps.py` (`Engine.batches`), read the same
 batches, and a resumed run reads the ones an uninterrupted run does.
+
+Augmentation (`data.augment`) is keyed the same way: a client's random crops and flips in a
+call come from a generator seeded by (seed, round, client, salt), row s of its draws for its
+batch s (`draws`). Both backends and the hand-written loops crop and flip a client's batch
+alike, whatever the order in which they read the clients' batches, and a resume needs no
+saved generator state.
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedbench.data.federation import draw_augment
 from fedbench.engine.plan import TrainPlan
+
+AUGMENT_KEY = 1  # appended to a schedule's key: the augmentation draws' own stream
 
 
 def _seed(*parts: int) -> int:
@@ -64,6 +73,16 @@ class Schedule:
         pos = torch.stack(rows[:need]).to(self.device)
         return pool[pos], lens[:need]
 
+    def draws(
+        self, client: int, shape: tuple[int, ...], *, round: int = 0, salt: int = 0
+    ) -> torch.Tensor | None:
+        """The augmentation draws [S, B, 3] of a client's schedule `shape` (S, B) (None when
+        the federation does not augment): row s crops and flips its batch s."""
+        if not getattr(self.fed, "augment", False):
+            return None
+        g = torch.Generator().manual_seed(_seed(self.seed, round, client, salt, AUGMENT_KEY))
+        return draw_augment(g, tuple(shape)).to(self.device)
+
     def of(self, plan: TrainPlan, client: int) -> tuple[torch.Tensor, list[int]]:
         """The schedule of `client` in a train call."""
         return self.indices(
@@ -75,9 +94,21 @@ class Schedule:
             salt=plan.salt,
         )
 
+    def draws_of(self, plan: TrainPlan, client: int, idx: torch.Tensor) -> torch.Tensor | None:
+        """The augmentation draws of `client`'s schedule `idx` in a train call."""
+        return self.draws(client, idx.shape, round=plan.round, salt=plan.salt)
+
+    def batch(
+        self, idx: torch.Tensor, draws: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A training read of samples `idx` (1-D), augmented as `draws` ([len(idx), 3]) say."""
+        if draws is None:
+            return self.fed.batch(idx)
+        return self.fed.batch(idx, draws=draws)
+
     def read(
-        self, idx: torch.Tensor, lens: list[int]
+        self, idx: torch.Tensor, lens: list[int], draws: torch.Tensor | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The mini-batches (x, y) of a schedule, in order (training reads: augmented)."""
+        """The mini-batches (x, y) of a schedule, in order (augmented as `draws` say)."""
         for s, ln in enumerate(lens):
-            yield self.fed.batch(idx[s, :ln])
+            yield self.batch(idx[s, :ln], None if draws is None else draws[s, :ln])

@@ -9,9 +9,10 @@ the host (losses accumulate on the device).
 
 It runs everything `Engine.train` accepts: float buffers (BatchNorm running statistics
 update in the forward, as in any PyTorch training step), dropout, custom objectives, data
-augmentation in client order. `full_grads` reads each client's whole training set in blocks
-without augmentation, the module in training mode (BatchNorm on the block's statistics; the
-buffers after the pass come back as `GradResult.buffers`).
+augmentation (as the `Schedule` draws it per client and batch). `full_grads` reads each
+client's whole training set in blocks without augmentation, the module in training mode
+(BatchNorm on the block's statistics; the buffers after the pass come back as
+`GradResult.buffers`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ class SequentialBackend:
             scale = plan.sam_scale(c)
             total = torch.zeros((), device=self.device)
             n = 0
-            for x, y in self.schedule.read(*self.schedule.of(plan, client)):
+            idx, lens = self.schedule.of(plan, client)
+            draws = self.schedule.draws_of(plan, client, idx)
+            for x, y in self.schedule.read(idx, lens, draws):
                 n += 1
                 total += mod.grad_at_loaded(x, y, plan.terms, rows, plan.objective, c)
                 if sam is not None:

@@ -19,22 +19,31 @@ Equal to the sequential backend, by construction:
 - Loss terms are the same `Term.value` code; their per-client tensors map with the clients
   (vmap in_dims 0), shared ones broadcast (in_dims None). SAM's perturbation is the same
   `SAM.perturbation`, mapped per client; the second gradient is taken at W + eps.
+- Buffers (BatchNorm running statistics, and its step counter) are per-client batched
+  inputs of the mapped loss, one contiguous [C, ...] tensor per buffer: the forward updates
+  them in place per client, as the sequential loop's forward updates the loaded client's
+  (momentum update; each forward, SAM's second one too, counts one step on the module's
+  counter). A model with BatchNorm normalizes with its batch's statistics, so padding must
+  not enter them: a step runs one mapped call per group of clients whose batches have the
+  same length (one group except at an epoch's short last batch), each on its real samples.
+- Augmentation (`data.augment`) crops and flips as the `Schedule`'s draws say, keyed by
+  (seed, round, client, salt) and the batch: the sequential backend's crops and flips.
 
 Full gradients (`full_grads`, FedPG's client reports): each client's whole training set,
 padded to the longest with weight 0 and each real sample weighted 1/n_c, one batched pass per
-block of samples, so a client's weighted sum is its mean loss.
+block of samples, so a client's weighted sum is its mean loss (with BatchNorm, per group of
+equal block lengths, as in training).
 
 Memory: clients go through in chunks, each chunk running all of its steps (or blocks) before
 the next, so a chunk's size moves peak memory and nothing else (`memory.MemoryModel`, the
 same estimate for training and for full gradients).
 
 Not covered (`blocker` says why; the engine routes these to the sequential backend, see
-`Engine.backend_for`): models with float buffers (BatchNorm running statistics update in
-place in the forward), models with dropout (vmap cannot draw the sequential backend's random
-numbers) and custom objectives (an arbitrary callable on the module). With `data.augment`,
-the federation's one augmentation stream would be read in step order instead of client order
-(the same batches, other random crops and flips), so only an explicit `engine.backend=vmap`
-runs it there.
+`Engine.backend_for`): custom objectives (an arbitrary callable on the stateful module, not a
+function of the client's explicit state), dropout (its masks come from torch's global
+generator inside the forward, drawn in the order forwards run: one mapped forward draws
+other masks than C sequential ones) and BatchNorm without momentum (its cumulative average
+reads the step counter as a Python number, which a mapped counter cannot give).
 """
 
 from __future__ import annotations
@@ -57,11 +66,18 @@ from fedbench.engine.terms import Term
 
 def blocker(model: nn.Module, spec: ModelSpec) -> str | None:
     """Why `model` cannot go through the vmap backend and match sequential, if so."""
-    if spec.has_buffers:
-        return "the model has float buffers (BatchNorm running statistics update in place)"
     if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
-        return "the model has dropout (vmap cannot draw the sequential random numbers)"
+        return "the model has dropout (its masks come from torch's global generator)"
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is None:
+            return "BatchNorm with momentum=None (a cumulative average over a global counter)"
     return None
+
+
+def batch_statistics(model: nn.Module) -> bool:
+    """Whether a training forward normalizes with statistics over the batch (BatchNorm):
+    padded samples must then stay out of the batch."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 class VmapBackend:
@@ -86,6 +102,33 @@ class VmapBackend:
         self.optim_states = optim_states
         self.memory = memory
         self.device = device
+        # integer buffers (BatchNorm's num_batches_tracked): not in the flat state; mapped
+        # as per-client counters, their counts added to the module's (the sequential count)
+        self.counters = [n for n, b in model.named_buffers() if not b.is_floating_point()]
+        self.batch_stats = batch_statistics(model)
+
+    def _buffers(self, states: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copies of `states`' buffers, one contiguous [C, *shape] per buffer (a batched
+        in-place update of a strided view is lost), and zero counters [C]."""
+        C = states.shape[0]
+        out = {
+            e.name: states[:, e.start : e.stop]
+            .reshape(C, *e.shape)
+            .clone(memory_format=torch.contiguous_format)
+            for e in self.spec.buffers
+        }
+        for n in self.counters:
+            out[n] = torch.zeros(C, dtype=torch.long, device=self.device)
+        return out
+
+    def _keep_buffers(self, out: torch.Tensor, rows, bufs: dict[str, torch.Tensor]) -> None:
+        """Write the buffers into rows `rows` of the flat states `out`; count the forwards."""
+        for e in self.spec.buffers:
+            b = bufs[e.name]
+            out[rows, e.start : e.stop] = b.reshape(b.shape[0], -1)
+        with torch.no_grad():
+            for n in self.counters:
+                self.model.get_buffer(n).add_(bufs[n].sum())
 
     # ------------------------------------------------------------------ training
     def train(self, plan: TrainPlan, states: torch.Tensor) -> TrainResult:
@@ -98,7 +141,6 @@ class VmapBackend:
         B = max((idx.shape[1] for idx, _ in sched), default=1)
         k = self.memory.chunk_size(C, self.memory.train_bytes(optim, B, sam is not None))
         out = torch.empty(C, self.spec.n_state, device=dev)
-        out[:, P:] = states[:, P:]  # buffers (none on this path) pass through
         losses = torch.empty(C, device=dev)
         # longest first (stable): the clients still training are always a prefix of a chunk,
         # and a chunk holds clients of similar step counts
@@ -109,19 +151,24 @@ class VmapBackend:
             W = states[pos, :P]  # a copy: advanced indexing
             ids = torch.tensor([clients[c] for c in order[lo : lo + k]], device=dev)
             ost = self.optim_states.get(optim, plan.slot, ids, W)
+            bufs = self._buffers(states[pos])
             chunk = [sched[c] for c in order[lo : lo + k]]
+            draws = [self.schedule.draws_of(plan, clients[c], sched[c][0]) for c in pos.tolist()]
             losses[pos] = self._train_chunk(
-                W, ost, chunk, optim, plan.lr, plan.terms, plan.mask, sam, pos
+                W, bufs, ost, chunk, draws, optim, plan.lr, plan.terms, plan.mask, sam, pos
             )
             self.optim_states.keep(optim, plan.slot, ids, ost)
             out[pos, :P] = W
+            self._keep_buffers(out, pos, bufs)
         return TrainResult(out, losses, [len(lens) for _, lens in sched])
 
     def _train_chunk(
         self,
         W: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
         ost: dict[str, torch.Tensor],
         sched: list[tuple[torch.Tensor, list[int]]],
+        draws: list[torch.Tensor | None],
         optim: OptimConfig,
         lr: float | torch.Tensor,
         terms: Sequence[Term],
@@ -129,51 +176,86 @@ class VmapBackend:
         sam: SAM | None,
         rows: torch.Tensor,
     ) -> torch.Tensor:
-        """All steps of one chunk of clients, ordered by step count (longest first); W [C, P]
-        and `ost` are updated in place. `rows`: the clients' positions in the train call.
+        """All steps of one chunk of clients, ordered by step count (longest first); W [C, P],
+        the buffers `bufs` and `ost` are updated in place. `draws`: each client's augmentation
+        draws (or None); `rows`: the clients' positions in the train call.
 
         Returns each client's mean loss over its own steps.
         """
         dev = self.device
         idx, wt, n_steps = stack_schedules(sched, dev)
+        aug = stack_draws(draws, idx.shape, dev)
         S, C, B = idx.shape
         training = [sum(n > s for n in n_steps) for s in range(S)]  # clients left at step s
+        # real samples per step [S][C] (batch statistics only: a host sync on a GPU)
+        lens = (wt > 0).sum(-1).tolist() if self.batch_stats else [[B] * C] * S
         # the chunk's rows of per-client tensors: terms' references, LWSAM's scale
         tensors, dims = [], []
         for t in terms:
             for v, pc in zip(t.tensors(), t.per_client):
                 tensors.append(v[rows] if pc else v)
                 dims.append(0 if pc else None)
-        grad = vmap(grad_and_value(self._loss(terms)), in_dims=(0, 0, 0, 0, *dims))
+        grad = vmap(grad_and_value(self._loss(terms)), in_dims=(0, 0, 0, 0, 0, *dims))
+        scale, scale_dim = None, None
         if sam is not None:
             scale = sam.scale
             scale_dim = 0 if scale is not None and scale.dim() == 2 else None
             scale = scale[rows] if scale_dim == 0 else scale
             perturbation = vmap(sam.perturbation, in_dims=(0, scale_dim))
         total = torch.zeros(C, device=dev)
-        for s, k in enumerate(training):
-            # views of the first k clients: the step updates W and `ost` in place
-            w, st = W[:k], {name: v[:k] for name, v in ost.items()}
-            ts = [v[:k] if d == 0 else v for v, d in zip(tensors, dims)]
-            x, y = self.fed.batch(idx[s, :k].reshape(-1))
-            x, y = x.view(k, B, *x.shape[1:]), y.view(k, B)
-            g, val = grad(w, x, y, wt[s, :k], *ts)
+
+        def step(sel, n: int, x, y, ws) -> None:
+            """One step of the clients `sel` (a slice: views, updated in place; an index
+            tensor: copies, written back) on the first n samples of their batches."""
+            w, b = W[sel], {k: v[sel] for k, v in bufs.items()}
+            st = {k: v[sel] for k, v in ost.items()}
+            ts = [v[sel] if d == 0 else v for v, d in zip(tensors, dims)]
+            x, y, ws = x[sel, :n], y[sel, :n], ws[sel, :n]
+            g, val = grad(w, b, x, y, ws, *ts)
             if sam is not None:
-                e = perturbation(g, scale[:k] if scale_dim == 0 else scale)
+                e = perturbation(g, scale[sel] if scale_dim == 0 else scale)
                 if mask is not None:
                     e = e * mask
-                g, _ = grad(w + e, x, y, wt[s, :k], *ts)
-            total[:k] += val
+                g, _ = grad(w + e, b, x, y, ws, *ts)
+            total[sel] += val
             step_(optim, w, g, st, lr, mask=mask)
+            if isinstance(sel, torch.Tensor):
+                W[sel] = w
+                for k, v in b.items():
+                    bufs[k][sel] = v
+                for k, v in st.items():
+                    ost[k][sel] = v
+
+        for s, k in enumerate(training):
+            ix = idx[s, :k].reshape(-1)
+            x, y = self.schedule.batch(ix, None if aug is None else aug[s, :k].reshape(-1, 3))
+            x, y = x.view(k, B, *x.shape[1:]), y.view(k, B)
+            for sel, n in self._groups(lens[s][:k], B):
+                step(sel, n, x, y, wt[s])
         return total / torch.tensor(n_steps, device=dev).clamp(min=1)
 
+    def _groups(self, lens: list[int], width: int) -> list[tuple[slice | torch.Tensor, int]]:
+        """The mapped calls of one step over clients whose batches hold `lens` real samples
+        (0: none, skipped) padded to `width`: (clients, samples read). Without batch statistics
+        one call reads all (padding weighs 0); with them one call per batch length, each on
+        its real samples only. A group that is a prefix of the clients is a slice (views)."""
+        if not self.batch_stats:
+            return [(slice(0, len(lens)), width)]
+        out = []
+        for n in sorted(set(lens) - {0}, reverse=True):
+            pos = [c for c, m in enumerate(lens) if m == n]
+            prefix = pos[-1] == len(pos) - 1
+            out.append((slice(0, len(pos)) if prefix else torch.tensor(pos, device=self.device), n))
+        return out
+
     def _loss(self, terms: Sequence[Term]):
-        """One client's loss: weighted cross-entropy of its batch plus the terms at w [P]."""
+        """One client's loss at w [P] with buffers `bufs` (updated in place by a training
+        forward): weighted cross-entropy of its batch plus the terms."""
         model, spec = self.model, self.spec
         sizes = [len(t.per_client) for t in terms]
 
-        def loss(w, x, y, wt, *tensors):
-            logits = functional_call(model, spec.param_views(w), (x,))
+        def loss(w, bufs, x, y, wt, *tensors):
+            logits = functional_call(model, {**spec.param_views(w), **bufs}, (x,))
             val = (F.cross_entropy(logits, y, reduction="none") * wt).sum()
             i = 0
             for t, k in zip(terms, sizes):
@@ -186,7 +268,8 @@ class VmapBackend:
     # ------------------------------------------------------------------ full gradients
     def full_grads(self, plan: GradPlan, states: torch.Tensor) -> GradResult:
         """Each client's mean loss (and gradient) over its training set at row c of `states`:
-        all clients of a chunk in one batched pass per block of samples."""
+        all clients of a chunk in one batched pass per block of samples (with BatchNorm, per
+        group of equal block lengths); the buffers after the pass come back."""
         P, dev, block = self.spec.n_params, self.device, plan.block
         C = len(plan.clients)
         model, spec = self.model, self.spec
@@ -198,33 +281,60 @@ class VmapBackend:
             idx[c, : p.numel()] = p.to(dev)
         wt = (torch.arange(n_max, device=dev)[None, :] < sizes[:, None]).float()
         wt = wt / sizes.clamp(min=1)[:, None].float()
+        n_host = [int(p.numel()) for p in pools]
 
-        def loss(w, x, y, wc):
-            logits = functional_call(model, spec.param_views(w), (x,))
+        def loss(w, bufs, x, y, wc):
+            logits = functional_call(model, {**spec.param_views(w), **bufs}, (x,))
             return (F.cross_entropy(logits, y, reduction="none") * wc).sum()
 
         fn = vmap(grad_and_value(loss)) if plan.with_grad else vmap(loss)
         k = self.memory.chunk_size(C, self.memory.grad_bytes(block))
         losses = torch.zeros(C, device=dev)
         grads = torch.zeros(C, P, device=dev) if plan.with_grad else None
+        out = states.clone()
         model.train()
         for lo in range(0, C, k):
             W = states[lo : lo + k, :P]
+            bufs = self._buffers(states[lo : lo + k])
             kc = W.shape[0]
+            ls = losses[lo : lo + k]
+            gs = None if grads is None else grads[lo : lo + k]
             for s in range(0, n_max, block):
                 ib = idx[lo : lo + k, s : s + block]
                 b = ib.shape[1]
                 x, y = self.fed.batch(ib.reshape(-1), train=False)
                 x, y = x.view(kc, b, *x.shape[1:]), y.view(kc, b)
                 wb = wt[lo : lo + k, s : s + block]
-                if plan.with_grad:
-                    g, v = fn(W, x, y, wb)
-                    grads[lo : lo + k] += g
-                else:
-                    with torch.no_grad():
-                        v = fn(W, x, y, wb)
-                losses[lo : lo + k] += v.detach()
-        return GradResult(losses, grads, states[:, P:].clone())
+                lens = [min(max(n - s, 0), b) for n in n_host[lo : lo + k]]
+                for sel, n in self._groups(lens, b):
+                    bs = {name: v[sel] for name, v in bufs.items()}
+                    args = (W[sel], bs, x[sel, :n], y[sel, :n], wb[sel, :n])
+                    if plan.with_grad:
+                        g, v = fn(*args)
+                        gs[sel] += g
+                    else:
+                        with torch.no_grad():
+                            v = fn(*args)
+                    ls[sel] += v.detach()
+                    if isinstance(sel, torch.Tensor):
+                        for name, t in bs.items():
+                            bufs[name][sel] = t
+            self._keep_buffers(out, slice(lo, lo + k), bufs)
+        return GradResult(losses, grads, out[:, P:])
+
+
+def stack_draws(
+    draws: list[torch.Tensor | None], shape: tuple[int, int, int], device: torch.device
+) -> torch.Tensor | None:
+    """Per-client augmentation draws [S_c, B_c, 3] -> step-major [S, C, B, 3] (padding 0),
+    as `stack_schedules` stacks their batches; None without augmentation."""
+    if not draws or draws[0] is None:
+        return None
+    S, C, B = shape
+    out = torch.zeros(S, C, B, 3, dtype=torch.long, device=device)
+    for c, d in enumerate(draws):
+        out[: d.shape[0], c, : d.shape[1]] = d
+    return out
 
 
 def stack_schedules(
