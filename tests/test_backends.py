@@ -83,6 +83,11 @@ def run_rounds(name: str, backend: str, monkeypatch, rounds: int = 2, image=None
 
 
 def assert_close_tree(a, b, path: str = "state") -> None:
+    from fedbench.engine.rows import ClientRows
+
+    if isinstance(a, ClientRows):  # per-client rows off the device: compare every row
+        assert isinstance(b, ClientRows), path
+        a, b = a.all(), b.all()
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), path
         if a.is_floating_point():
