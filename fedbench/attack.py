@@ -28,15 +28,12 @@ Metrics are then computed over honest clients only (`evaluation.evaluate(honest=
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
 
 from fedbench.errors import ConfigError
-
-if TYPE_CHECKING:
-    from fedbench.config import RunConfig
 
 KINDS = ("none", "a1", "a2")
 A1_GRAD = ("scaled", "gaussian")
@@ -67,8 +64,9 @@ class Attack:
         self._gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + 17)
 
     @classmethod
-    def from_config(cls, rc: RunConfig) -> Attack | None:
-        """The run's attack (None for attack.kind=none), from its checked config."""
+    def from_config(cls, rc: Any) -> Attack | None:
+        """The run's attack (None for attack.kind=none), from its checked config (a
+        fedbench.config.RunConfig, not imported here: the config sits above this module)."""
         a = rc.attack
         if a.kind == "none":
             return None

@@ -161,7 +161,7 @@ class Option:
 
     name: str = chosen()
 
-    def keys(self) -> dict[str, Any]:
+    def as_kwargs(self) -> dict[str, Any]:
         """The option's keys besides `name` ({key: value}), an optional key not given left
         out: what a builder takes as keyword arguments."""
         return {
@@ -184,7 +184,7 @@ class FileData(Option):
         """The keys of the option's own source (`load_dataset`'s keyword arguments): those
         beyond FileData's."""
         common = {f.name for f in fields(FileData)}
-        return {k: v for k, v in self.keys().items() if k not in common}
+        return {k: v for k, v in self.as_kwargs().items() if k not in common}
 
 
 @dataclass(frozen=True)
@@ -389,9 +389,9 @@ class RunConfig(RunParams):
     source: dict
 
     def option_keys(self, group: str) -> dict[str, Any]:
-        """The keys of `group`'s chosen option (`Option.keys`), in the order the config gives
+        """The keys of `group`'s chosen option (`Option.as_kwargs`), in the order the config gives
         them (the YAML's: partition.json records the split's so)."""
-        keys = getattr(self, group).keys()
+        keys = getattr(self, group).as_kwargs()
         return {k: keys[k] for k in self.source[group] if k in keys}
 
 
@@ -432,7 +432,9 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
             raise ConfigError(f"unknown {g} {name!r}; valid: {', '.join(sorted(choices))}")
         check_node(sub, choices[name], g, f"{g}={name}", f"conf/{g}/{name}.yaml")
         options[g] = build_params(groups[g], choices[name])
-    server_opt = ServerOptSettings(**options["server_opt"].keys(), name=options["server_opt"].name)
+    server_opt = ServerOptSettings(
+        **options["server_opt"].as_kwargs(), name=options["server_opt"].name
+    )
     algo = str(groups["algo"]["name"])
     algo_cls = ALGORITHMS.get(algo)
     params = typed_params(groups["algo"], algo_cls.Params, algo)
@@ -487,7 +489,7 @@ def _check_together(rc: RunConfig) -> None:
     p = rc.participation
     if p > 1 and (p != int(p) or p > n):
         raise ConfigError(
-            f"participation={p}: a fraction in (0, 1] or a whole count of clients <= {n}"
+            f"participation={p:g}: a fraction in (0, 1] or a whole count of clients <= {n}"
         )
     attack = rc.attack
     if attack.kind != "none":

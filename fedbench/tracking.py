@@ -20,13 +20,20 @@ import logging
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from fedbench.errors import ConfigError
 from fedbench.trees import flat_items
 
-if TYPE_CHECKING:
-    from fedbench.config import LogParams
+
+class LogParams(Protocol):
+    """The run's checked `log` settings (fedbench.config.LogParams, which checks them; the
+    config sits above this module, which it calls)."""
+
+    tensorboard: bool
+    wandb: Any  # project, mode, entity
+    mlflow: Any  # uri, experiment
+
 
 log = logging.getLogger("fedbench")
 

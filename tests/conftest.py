@@ -149,6 +149,7 @@ def make_algo(algo: str, extra=(), fed=None, lr: float | None = 0.1, backend: st
     engine's `backend`, on TEST_DEVICE (`fed` is moved there). Returns (algorithm, engine,
     federation)."""
     from fedbench.algorithms import ALGORITHMS
+    from fedbench.config import load_config
     from fedbench.engine import Engine
     from fedbench.models import build_model
 
@@ -158,7 +159,7 @@ def make_algo(algo: str, extra=(), fed=None, lr: float | None = 0.1, backend: st
     torch.manual_seed(0)
     model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8])  # noqa: E731
     eng = Engine(fed, model_fn(), device=TEST_DEVICE, backend=backend)
-    return ALGORITHMS.get(algo)(cfg, fed, eng, model_fn), eng, fed
+    return ALGORITHMS.get(algo)(load_config(cfg), fed, eng, model_fn), eng, fed
 
 
 def run_small(tmp_path, overrides: list[str], rounds: int = 5, base: list[str] = SMALL_FMNIST):

@@ -12,7 +12,6 @@ from omegaconf import DictConfig
 from torch import nn
 
 from fedbench.algorithms._server import ServerOptimizer, ServerOptSettings
-from fedbench.config import RunConfig, load_config
 from fedbench.engine import Engine, OptimConfig, TrainResult
 from fedbench.errors import ConfigError
 from fedbench.paths import CONF_DIR
@@ -87,7 +86,8 @@ class RunSettings:
     server_opt: ServerOptSettings  # the server's optimizer (`server_opt`, averaging servers)
 
     @classmethod
-    def from_config(cls, rc: RunConfig) -> RunSettings:
+    def from_config(cls, rc: Any) -> RunSettings:
+        """From the checked config (fedbench.config.RunConfig)."""
         o = rc.optim
         optimizer = OptimConfig(
             name=o.name,
@@ -147,16 +147,21 @@ class Algorithm:
 
     def __init__(
         self,
-        cfg: RunConfig | DictConfig,
+        cfg: Any,
         fed,
         engine: Engine,
         model_fn,
         *,
         attack: Attack | None = None,
     ) -> None:
-        # the runner passes the checked config; a composed one (a test, a script) is checked
-        # here, so that every way of building one checks the hyperparameters
-        rc = cfg if isinstance(cfg, RunConfig) else load_config(cfg)
+        # the checked config (fedbench.config.load_config; not imported here: the config
+        # sits above the algorithms, whose Params it checks)
+        rc = cfg
+        if isinstance(rc, DictConfig | dict):
+            raise TypeError(
+                f"{type(self).__name__} takes the checked config: "
+                "fedbench.config.load_config(cfg), not the composed one"
+            )
         if type(rc.algo.params) is not self.Params:
             raise ConfigError(f"algo={rc.algo.name}: the config is not algo={self.name}'s")
         self.hp = rc.algo.params
