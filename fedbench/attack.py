@@ -28,6 +28,8 @@ Metrics are then computed over honest clients only (`evaluation.evaluate(honest=
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -62,12 +64,13 @@ class Attack:
         self._gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + 17)
 
     @classmethod
-    def from_cfg(cls, cfg, n_clients: int) -> Attack | None:
-        """The run's attack (None for attack.kind=none)."""
-        a = cfg.get("attack")
-        if a is None or str(a.kind) == "none":
+    def from_config(cls, rc: Any) -> Attack | None:
+        """The run's attack (None for attack.kind=none), from its checked config (a
+        fedbench.config.RunConfig, not imported here: the config sits above this module)."""
+        a = rc.attack
+        if a.kind == "none":
             return None
-        return cls(str(a.kind), float(a.fraction), n_clients, int(cfg.seed), str(a.a1_grad))
+        return cls(a.kind, a.fraction, rc.clients, rc.seed, a.a1_grad)
 
     def rng_state(self) -> torch.Tensor:
         """The Gaussian stream's state, for checkpoints (a resumed A1 run draws the same)."""

@@ -47,6 +47,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.torch_version import TorchVersion
 
 import fedbench
+from fedbench.config import absent_means, resume_may_change
 from fedbench.engine.prox import LayerRank
 from fedbench.engine.rows import ROWS_KEY, ClientRows, SavedRows
 from fedbench.errors import ConfigError, FedbenchError
@@ -68,35 +69,11 @@ FORMAT = 2
 # fedbench 0.x saved it). None of them runs code when it is read.
 SAFE_CLASSES = (bytes, LayerRank, TorchVersion)
 
-# Keys a resumed run may change: how long it runs, how often it is evaluated and
-# checkpointed, where it computes and finds its files. Everything else decides the run's
-# numbers or a column's meaning (eval.s_frac makes the S sets, eval.tail top5/bottom5): a
-# resume that changes it stops. (`rounds` may grow: APPLE's L = l_frac * rounds and FedSpa's
-# cosine schedule follow it.) `data.root` may change: the data's digest is checked instead.
-RESUME_MAY_CHANGE = (
-    "rounds",
-    "eval.every",
-    "eval.batch_size",
-    "checkpoint",
-    "log",
-    "objective",
-    "device",
-    "engine",
-    "resume",
-    "data.root",
-    "data.download",
-)
-
-# Keys added to the config after runs were saved, with the value a run without them had: a
-# resume or resume=auto of such a run is not refused for the key's absence.
-ABSENT_MEANS = {
-    "server_opt.name": "none",
-    "server_opt.variant": "paper",  # Algorithm 2 as printed, all there was before the key
-    "server_opt.initial_accumulator": None,
-    "data.normalize": True,  # inputs were always normalized before the key
-    "split.val_frac": 0.0,  # no validation set before the key
-    "eval.select": "auto",  # = last without validation: the summary's `final`
-}
+# Keys a resumed run may change (a group: all its keys) and the values of keys a run saved
+# before they existed had: marks on the schema's fields (fedbench/config.py, `hp(resume=True,
+# absent=...)`), read here once.
+RESUME_MAY_CHANGE = resume_may_change()
+ABSENT_MEANS = absent_means()
 
 
 class CheckpointError(FedbenchError):

@@ -381,14 +381,13 @@ def _experiment_hint(err: Exception) -> str | None:
 def _check_job(cfg, where: str) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
-    from fedbench.config import check_config, task_config
+    from fedbench.config import load_config, task_config
 
     try:
-        task = task_config(cfg)
-        check_config(task)
+        rc = load_config(task_config(cfg))
         from fedbench.runner import resolve_device
 
-        resolve_device(str(task.device))
+        resolve_device(rc.device)
     except FedbenchError as e:
         raise BadInput(f"fedbench: {e}{where}") from None
     except OmegaConfBaseException as e:  # e.g. an interpolation that does not resolve
@@ -536,7 +535,7 @@ def _make_task(plan: Plan):
             if done is not None:  # a finished run: nothing loaded, nothing written
                 _SIG.stop_now = False
                 print(f"fedbench: {done.line}")
-                return objective(done.summary, str(cfg.objective.metric), str(cfg.objective.at))
+                return objective(done.summary, cfg.objective.metric, cfg.objective.at)
         started = False
         before = _contents(out)  # what is there before this run writes (None: a run)
         try:
@@ -627,7 +626,7 @@ def _make_task(plan: Plan):
             _SIG.told = True
             _say(f"{signal.Signals(_SIG.signum).name} came as the run finished: it is complete "
                  f"(summary.json written), results in {out}")  # fmt: skip
-        return objective(summary, str(cfg.objective.metric), str(cfg.objective.at))
+        return objective(summary, run.config.objective.metric, run.config.objective.at)
 
     task.__module__ = __name__
     return task

@@ -1,26 +1,40 @@
 """The run's schema: every key of the composed config, its type and its range, checked once
-before anything is built or written (`check_config`).
+before anything is built or written (`load_config`), which returns the config typed
+(`RunConfig`): what the runner, the engine and the algorithms are built from.
 
-The algorithms' keys are checked by their own `Params` (fedbench/algorithms/params.py); this
-module holds the rest with the same machinery: the run's top-level keys and sub-groups
-(`optim`, `eval`, `engine`, `attack`, `checkpoint`), and one dataclass per option of the
-`data`, `split` and `model` groups, whose fields are exactly the keys of that option's YAML
-(`conf/<group>/<option>.yaml`; tests/test_reliability.py holds the two to each other). Checks that
-need more than one key (participation against clients, the attack's honest clients, the
-device string, data.root) follow in `check_config`.
+The algorithms' keys are checked by their own `Params` (fedbench/algorithms/); this module
+holds the rest with the same machinery (fedbench/schema.py): the run's top-level keys and
+sub-groups (`optim`, `eval`, `engine`, `attack`, `checkpoint`, `log`, `objective`), and one
+dataclass per option of the `data`, `split`, `model` and `server_opt` groups, whose fields are
+exactly the keys of that option's YAML (`conf/<group>/<option>.yaml`;
+tests/test_reliability.py holds the two to each other). Checks that need more than one key
+(participation against clients, the attack's honest clients, the device string, data.root)
+follow in `load_config`. The fields also say which keys a resume may change and which value
+a key had before it existed (`hp(resume=..., absent=...)`; `resume_may_change`,
+`absent_means`): fedbench/checkpoint.py's resume check reads them.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from omegaconf import DictConfig, OmegaConf
 
-from fedbench.algorithms.params import check_node, fraction, hp, nonneg, positive
 from fedbench.errors import ConfigError
+from fedbench.schema import (
+    at_least,
+    build_params,
+    check_node,
+    chosen,
+    fraction,
+    hp,
+    marked_keys,
+    nonneg,
+    positive,
+)
 from fedbench.trees import plain
 
 # The largest seed: every generator the run seeds (numpy, torch, CUDA) takes 32 bits.
@@ -29,14 +43,10 @@ TestMode = Literal["matched", "pooled"]
 Norm = Literal["none", "batch", "group"]
 
 
-def at_least(n: int):
-    return hp(ge=n)
-
-
 # ---------------------------------------------------------------------------- the run's keys
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimParams:
     name: Literal["sgd", "adam"]
     lr: float = positive()
@@ -49,19 +59,20 @@ class OptimParams:
     persist_state: bool
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalParams:
-    every: int = at_least(1)
+    every: int = hp(ge=1, resume=True)
     tail: float = hp(gt=0, le=0.5)  # top5 / bottom5 are the best / worst `tail` of clients
     s_frac: float = fraction()
-    batch_size: int = at_least(1)
+    batch_size: int = hp(ge=1, resume=True)
     # the round a run reports as `selected` (summary.json; the report's default): val = the
     # best validation (V) avg, last, best_test = the best test L avg (optimistic); auto: val
     # with split.val_frac > 0, else last
-    select: Literal["auto", "val", "last", "best_test"]
+    # (absent: a run saved before the key, auto = last without validation: its `final`)
+    select: Literal["auto", "val", "last", "best_test"] = hp(absent="auto")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineParams:
     backend: Literal["auto", "sequential", "vmap"]
     drop_last: bool
@@ -70,34 +81,34 @@ class EngineParams:
     host_rows_gib: float = nonneg()  # per-client rows above this: a memory-mapped file
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttackParams:
     kind: Literal["none", "a1", "a2"]
     fraction: float = hp(gt=0, lt=1)
     a1_grad: Literal["scaled", "gaussian"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class WandbParams:
     project: str | None
     mode: Literal["offline", "online", "disabled"]
     entity: str | None
 
 
-@dataclass
+@dataclass(frozen=True)
 class MlflowParams:
     uri: str | None
     experiment: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class LogParams:
     tensorboard: bool
     wandb: WandbParams
     mlflow: MlflowParams
 
 
-@dataclass
+@dataclass(frozen=True)
 class ObjectiveParams:
     metric: str
     # final: the last evaluation; best: the best test L avg; selected: eval.select's round
@@ -110,50 +121,79 @@ OBJECTIVE = re.compile(
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointParams:
     every: int = nonneg()
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunParams:
     """The top-level keys (conf/config.yaml); the groups data/split/model/algo are checked by
     their option's own schema."""
 
     seed: int = hp(ge=0, le=MAX_SEED)
-    device: str
-    rounds: int = at_least(1)
+    # marked resume=True: what a resumed run may change (how long it runs, how often it is
+    # evaluated and checkpointed, where it computes and finds its files). Everything else
+    # decides the run's numbers or a column's meaning (eval.s_frac makes the S sets,
+    # eval.tail top5/bottom5): a resume that changes it stops. (`rounds` may grow: APPLE's
+    # L = l_frac * rounds and FedSpa's cosine schedule follow it.)
+    device: str = hp(resume=True)
+    rounds: int = hp(ge=1, resume=True)
     clients: int = at_least(1)
     participation: float = positive()
     local_epochs: int = at_least(1)
     batch_size: int = at_least(1)
     optim: OptimParams
     eval: EvalParams
-    engine: EngineParams
+    engine: EngineParams = hp(resume=True)
     attack: AttackParams
-    log: LogParams
-    objective: ObjectiveParams
-    checkpoint: CheckpointParams
-    resume: bool | Literal["auto"]
+    log: LogParams = hp(resume=True)
+    objective: ObjectiveParams = hp(resume=True)
+    checkpoint: CheckpointParams = hp(resume=True)
+    resume: bool | Literal["auto"] = hp(resume=True)
 
 
 # ---------------------------------------------------------------------------- data options
 
 
-@dataclass
-class FileData:
-    root: str | None
-    download: bool
+@dataclass(frozen=True)
+class Option:
+    """A group's chosen option (`data=fmnist`): its name and, in a subclass, its keys."""
+
+    name: str = chosen()
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The option's keys besides `name` ({key: value}), an optional key not given left
+        out: what a builder takes as keyword arguments."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "name"
+            and not (f.metadata.get("optional") and getattr(self, f.name) is None)
+        }
+
+
+@dataclass(frozen=True)
+class FileData(Option):
+    # data.root may change on resume: the data's digest is checked instead
+    root: str | None = hp(resume=True)
+    download: bool = hp(resume=True)
     augment: bool
-    normalize: bool
+    normalize: bool = hp(absent=True)  # inputs were always normalized before the key
+
+    def source_keys(self) -> dict[str, Any]:
+        """The keys of the option's own source (`load_dataset`'s keyword arguments): those
+        beyond FileData's."""
+        common = {f.name for f in fields(FileData)}
+        return {k: v for k, v in self.as_kwargs().items() if k not in common}
 
 
-@dataclass
+@dataclass(frozen=True)
 class PathMnistData(FileData):
     use_val: bool
 
 
-@dataclass
+@dataclass(frozen=True)
 class SyntheticData(FileData):
     alpha: float = nonneg()
     beta: float = nonneg()
@@ -175,27 +215,28 @@ DATA = {
 # ---------------------------------------------------------------------------- split options
 
 
-@dataclass
-class SplitCommon:
+@dataclass(frozen=True)
+class SplitCommon(Option):
     train_per_client: int | None = at_least(1)
     test_mode: TestMode
     test_per_client: int | None = at_least(1)
     train_frac: float = hp(gt=0, lt=1)
-    val_frac: float = hp(ge=0, lt=1)  # each client's stratified validation share of its train
+    # each client's stratified validation share of its train (absent: none, before the key)
+    val_frac: float = hp(ge=0, lt=1, absent=0.0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class IidSplit(SplitCommon):
     pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class PatSplit(SplitCommon):
     classes_per_client: int = at_least(1)
     balance: bool
 
 
-@dataclass
+@dataclass(frozen=True)
 class DirSplit(SplitCommon):
     alpha: float = positive()
     dir_mode: Literal["per_class", "per_client"]
@@ -203,7 +244,7 @@ class DirSplit(SplitCommon):
     min_samples: int = nonneg()
 
 
-@dataclass
+@dataclass(frozen=True)
 class PracticalSplit(SplitCommon):
     groups: int = at_least(1)
     dominant_classes: list[list[int]] | None
@@ -215,13 +256,20 @@ SPLIT = {"iid": IidSplit, "pat": PatSplit, "dir": DirSplit, "practical": Practic
 # ---------------------------------------------------------------------------- model options
 
 
-@dataclass
-class MlpModel:
+@dataclass(frozen=True)
+class ModelOption(Option):
+    # accepted by every model (fedbench/models/registry.py) without being in a YAML; an
+    # override adds it with `+model.layer_unit=...`
+    layer_unit: Literal["op_norm", "module"] | None = hp(optional=True)
+
+
+@dataclass(frozen=True)
+class MlpModel(ModelOption):
     hidden: list[int] = at_least(1)
 
 
-@dataclass
-class CnnModel:
+@dataclass(frozen=True)
+class CnnModel(ModelOption):
     preset: Literal["fedavg", "lenet"] | None
     channels: list[int] | None = at_least(1)
     fc: list[int] | None = at_least(1)
@@ -230,19 +278,19 @@ class CnnModel:
     norm: Norm
 
 
-@dataclass
-class ResNetModel:
+@dataclass(frozen=True)
+class ResNetModel(ModelOption):
     norm: Norm
     gn_groups: int = at_least(1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ResNet8Model(ResNetModel):
     widths: list[int] = hp(ge=1, length=3)
     stem: Literal["cifar", "imagenet"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class WrnModel(ResNetModel):
     depth: int = at_least(10)
     widen: int = at_least(1)
@@ -261,39 +309,46 @@ MODEL = {
 # (fedbench/algorithms/_server.py; the keys of conf/server_opt/<name>.yaml)
 
 
-@dataclass
-class NoServerOpt:
+@dataclass(frozen=True)
+class ServerOptOption(Option):
+    name: str = chosen(absent="none")  # plain averaging, all there was before server_opt
+
+
+@dataclass(frozen=True)
+class NoServerOpt(ServerOptOption):
     pass
 
 
-@dataclass
-class SgdServerOpt:
+@dataclass(frozen=True)
+class SgdServerOpt(ServerOptOption):
     lr: float = positive()
     momentum: float = hp(ge=0, lt=1)
 
 
-@dataclass
-class AdaptiveServerOpt:
+@dataclass(frozen=True)
+class AdaptiveServerOpt(ServerOptOption):
     lr: float = positive()
     beta1: float = hp(ge=0, lt=1)
     tau: float = positive()
-    # paper: Algorithm 2 as printed; authors_code: the authors' Keras/Yogi optimizers
-    variant: Literal["paper", "authors_code"]
+    # paper: Algorithm 2 as printed (all there was before the key); authors_code: the
+    # authors' Keras/Yogi optimizers
+    variant: Literal["paper", "authors_code"] = hp(absent="paper")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AdagradServerOpt(AdaptiveServerOpt):
-    initial_accumulator: float | None = nonneg()  # v's start (null: the variant's own)
+    # v's start (null: the variant's own)
+    initial_accumulator: float | None = hp(ge=0, absent=None)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AdamServerOpt(AdaptiveServerOpt):
     beta2: float = hp(ge=0, lt=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class YogiServerOpt(AdamServerOpt):
-    initial_accumulator: float | None = nonneg()
+    initial_accumulator: float | None = hp(ge=0, absent=None)
 
 
 SERVER_OPT = {
@@ -306,11 +361,39 @@ SERVER_OPT = {
 
 GROUPS = {"data": DATA, "split": SPLIT, "model": MODEL, "server_opt": SERVER_OPT}
 
-# `model.layer_unit` is accepted by every model (fedbench/models/registry.py) without being in
-# a YAML; an override adds it with `+model.layer_unit=...`.
-OPTIONAL = {"model": {"layer_unit": Literal["op_norm", "module"]}}
-
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+# ---------------------------------------------------------------------------- the typed run
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    """The chosen algorithm: its name and its `Params` instance (fedbench/algorithms/)."""
+
+    name: str
+    params: Any
+
+
+@dataclass(frozen=True)
+class RunConfig(RunParams):
+    """The run's config, checked and typed (`load_config`): the top-level keys and groups of
+    RunParams, the chosen option of each group, and the algorithm with its Params.
+    `server_opt` is fedbench.algorithms._server.ServerOptSettings (its checks across keys run
+    when it is built); `source` is the config as given, plain (saved with the run)."""
+
+    data: FileData
+    split: SplitCommon
+    model: ModelOption
+    server_opt: Any
+    algo: AlgoConfig
+    source: dict
+
+    def option_keys(self, group: str) -> dict[str, Any]:
+        """The keys of `group`'s chosen option (`Option.as_kwargs`), in the order the config gives
+        them (the YAML's: partition.json records the split's so)."""
+        keys = getattr(self, group).as_kwargs()
+        return {k: keys[k] for k in self.source[group] if k in keys}
 
 
 def task_config(cfg: DictConfig) -> DictConfig:
@@ -324,65 +407,78 @@ def task_config(cfg: DictConfig) -> DictConfig:
     return out
 
 
-def check_config(cfg: DictConfig | dict) -> None:
-    """Raise ConfigError (one line) unless every key of the run's config is known, of its
-    type and in its range; `algo` is checked by the algorithm's `Params`. Reads no file but
-    `data.root`'s kind (a directory, or absent)."""
+def load_config(cfg: DictConfig | dict) -> RunConfig:
+    """The run's config typed, or ConfigError (one line) unless every key is known, of its
+    type and in its range (`algo` by the algorithm's `Params`) and the keys agree with each
+    other. The one validation of a run's config: what it returns is used as it is. Reads no
+    file but `data.root`'s kind (a directory, or absent)."""
+    # the algorithms are imported when a config is checked, not with this module
     from fedbench.algorithms import ALGORITHMS
     from fedbench.algorithms._server import ServerOptSettings
-    from fedbench.algorithms.params import check_params
+    from fedbench.algorithms.params import typed_params
 
-    node = {k: v for k, v in plain(cfg).items() if k != "hydra"}
+    source = {k: v for k, v in plain(cfg).items() if k != "hydra"}
+    node = dict(source)
     node.setdefault("server_opt", {"name": "none"})  # a config saved before server_opt
     groups = {g: node.pop(g, None) for g in ("data", "split", "model", "algo", "server_opt")}
     for g, value in groups.items():
         if not isinstance(value, dict) or "name" not in value:
             raise ConfigError(f"{g}: missing from the config (conf/config.yaml's defaults)")
     check_node(node, RunParams, "", "the run", "conf/config.yaml")
-    for g, options in GROUPS.items():
+    options = {}
+    for g, choices in GROUPS.items():
         sub = dict(groups[g])
         name = sub.pop("name")
-        if name not in options:
-            raise ConfigError(f"unknown {g} {name!r}; valid: {', '.join(sorted(options))}")
-        extra = OPTIONAL.get(g, {})
-        for key, tp in extra.items():
-            if key in sub and sub[key] not in tp.__args__:
-                valid = ", ".join(tp.__args__)
-                raise ConfigError(f"{g}.{key}={sub[key]!r} must be {valid}")
-            sub.pop(key, None)
-        check_node(sub, options[name], g, f"{g}={name}", f"conf/{g}/{name}.yaml")
-    ServerOptSettings.from_cfg(groups["server_opt"])  # its checks across keys
+        if name not in choices:
+            raise ConfigError(f"unknown {g} {name!r}; valid: {', '.join(sorted(choices))}")
+        check_node(sub, choices[name], g, f"{g}={name}", f"conf/{g}/{name}.yaml")
+        options[g] = build_params(groups[g], choices[name])
+    server_opt = ServerOptSettings(
+        **options["server_opt"].as_kwargs(), name=options["server_opt"].name
+    )
     algo = str(groups["algo"]["name"])
     algo_cls = ALGORITHMS.get(algo)
-    check_params(groups["algo"], algo_cls.Params, algo)
-    server_opt = groups["server_opt"]["name"]
-    if server_opt != "none" and not algo_cls.server_optimizable:
+    params = typed_params(groups["algo"], algo_cls.Params, algo)
+    if server_opt.name != "none" and not algo_cls.server_optimizable:
         able = sorted(n for n in ALGORITHMS.names() if ALGORITHMS.get(n).server_optimizable)
         raise ConfigError(
-            f"server_opt={server_opt}: algo={algo}'s server does not average uploads into one "
-            f"model; a server optimizer applies to {', '.join(able)}"
+            f"server_opt={server_opt.name}: algo={algo}'s server does not average uploads into "
+            f"one model; a server optimizer applies to {', '.join(able)}"
         )
-    _check_together(node, groups)
+    run = build_params(node, RunParams)
+    out = RunConfig(
+        **{f.name: getattr(run, f.name) for f in fields(RunParams)},
+        data=options["data"],
+        split=options["split"],
+        model=options["model"],
+        server_opt=server_opt,
+        algo=AlgoConfig(algo, params),
+        source=source,
+    )
+    _check_together(out)
+    return out
 
 
-def _check_together(node: dict, groups: dict) -> None:
-    n = node["clients"]
-    device = node["device"]
-    if not _DEVICE.match(device):
-        raise ConfigError(f"device={device!r}; valid: auto, cpu, cuda, cuda:N")
+def check_config(cfg: DictConfig | dict) -> None:
+    """`load_config` for its ConfigError only (a check before a job is launched)."""
+    load_config(cfg)
+
+
+def _check_together(rc: RunConfig) -> None:
+    n = rc.clients
+    if not _DEVICE.match(rc.device):
+        raise ConfigError(f"device={rc.device!r}; valid: auto, cpu, cuda, cuda:N")
     from fedbench.tracking import check_installed
 
-    check_installed(node["log"])
-    metric = node["objective"]["metric"]
+    check_installed(rc.log)
+    metric = rc.objective.metric
     if not OBJECTIVE.match(metric):
         raise ConfigError(
             f"objective.metric={metric!r}; valid: auto, <personal|global|head|trained>."
             "<L|S|G|V>.<avg|weighted|std|top5|bottom5|min|max>, or global.all"
         )
-    val_frac = groups["split"].get("val_frac") or 0
-    if not val_frac:
-        select = node["eval"]["select"]
-        if select == "val":
+    if not rc.split.val_frac:
+        if rc.eval.select == "val":
             raise ConfigError(
                 "eval.select=val needs validation data: set split.val_frac (e.g. 0.1), or "
                 "use eval.select=last"
@@ -391,22 +487,57 @@ def _check_together(node: dict, groups: dict) -> None:
             raise ConfigError(
                 f"objective.metric={metric} needs validation data: set split.val_frac (e.g. 0.1)"
             )
-    p = node["participation"]
+    p = rc.participation
     if p > 1 and (p != int(p) or p > n):
         raise ConfigError(
-            f"participation={p}: a fraction in (0, 1] or a whole count of clients <= {n}"
+            f"participation={p:g}: a fraction in (0, 1] or a whole count of clients <= {n}"
         )
-    attack = node["attack"]
-    if attack["kind"] != "none":
-        k = max(1, round(attack["fraction"] * n))
+    attack = rc.attack
+    if attack.kind != "none":
+        k = max(1, round(attack.fraction * n))
         if k >= n:
             raise ConfigError(
-                f"attack.fraction={attack['fraction']} makes {k} of the {n} clients malicious: "
+                f"attack.fraction={attack.fraction} makes {k} of the {n} clients malicious: "
                 "no honest client is left to score; lower it"
             )
-    root = groups["data"].get("root")
-    if root and Path(str(root)).expanduser().exists() and not Path(root).expanduser().is_dir():
+    root = rc.data.root
+    if root and Path(root).expanduser().exists() and not Path(root).expanduser().is_dir():
         raise ConfigError(f"data.root={root} is a file, not a directory")
+
+
+def clients_per_round(rc: RunConfig) -> int:
+    """`participation` as a count: a fraction in (0, 1] of the clients, or a whole count
+    (checked against `clients` by `load_config`)."""
+    p = rc.participation
+    return max(1, round(p * rc.clients)) if p <= 1.0 else int(p)
+
+
+# ---------------------------------------------------------------------------- resume marks
+
+
+def _marks() -> dict[str, Any]:
+    """{dotted key: field metadata} of the run's schema, every group's options included."""
+    out: dict[str, Any] = {}
+    for key, meta in marked_keys(RunParams):
+        out.setdefault(key, meta)
+    for g, choices in GROUPS.items():
+        for option in choices.values():
+            for key, meta in marked_keys(option, g):
+                out.setdefault(key, meta)
+    return out
+
+
+def resume_may_change() -> tuple[str, ...]:
+    """The keys (a group: all its keys) a resumed run may change: the schema's fields marked
+    `resume=True`."""
+    return tuple(k for k, meta in _marks().items() if meta.get("resume"))
+
+
+def absent_means() -> dict[str, Any]:
+    """{key: value} for keys added to the config after runs were saved: the value a run
+    without the key had (the fields' `absent` mark), so that a resume or resume=auto of such
+    a run is not refused for the key's absence."""
+    return {k: meta["absent"] for k, meta in _marks().items() if "absent" in meta}
 
 
 def objective_on_test(cfg: DictConfig | dict) -> bool:

@@ -47,7 +47,7 @@ from fedbench.checkpoint import (  # noqa: F401 (CHECKPOINT ... finished_run: im
     load_checkpoint,
     resume_differences,
 )
-from fedbench.config import check_config
+from fedbench.config import clients_per_round, load_config
 from fedbench.data.federation import Federation
 from fedbench.data.sources import load_dataset
 from fedbench.data.splits import eval_sets, make_partition
@@ -83,18 +83,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cpu":
         return torch.device("cpu")
     raise ConfigError(f"device={name!r}; valid: auto, cpu, cuda, cuda:N")
-
-
-def clients_per_round(participation: float | int, n: int) -> int:
-    """A fraction in (0, 1] of the clients, or an integer count > 1."""
-    p = float(participation)
-    if p <= 0:
-        raise ConfigError(f"participation={participation} must be > 0")
-    if p <= 1.0:
-        return max(1, round(p * n))
-    if p != int(p) or p > n:
-        raise ConfigError(f"participation={participation}: a fraction in (0, 1] or a count <= {n}")
-    return int(p)
 
 
 # A client test set smaller than this gives accuracies in steps of more than 10 points: the
@@ -224,30 +212,29 @@ class Run:
         self.out = Path(out_dir)
         self.progress = progress
         self.tuning = tuning
-        check_config(cfg)
-        algo_cls = ALGORITHMS.get(str(cfg.algo.name))
-        saved = check_resume(cfg, self.out) if cfg.resume else None
-        self.device = resolve_device(str(cfg.device))
-        seed = int(cfg.seed)
-        dcfg = plain(cfg.data)
-        name = dcfg.pop("name")
-        root = dcfg.pop("root", None)
-        download = bool(dcfg.pop("download", True))
-        augment = bool(dcfg.pop("augment", False))
-        normalize = bool(dcfg.pop("normalize", True))
-        root = str(Path(root).expanduser()) if root else None
-        data = load_dataset(name, root, download=download, **dcfg)
+        # the one validation: every part below is built from the typed config as it is
+        self.config = rc = load_config(cfg)
+        algo_cls = ALGORITHMS.get(rc.algo.name)
+        saved = check_resume(cfg, self.out) if rc.resume else None
+        self.device = resolve_device(rc.device)
+        seed = rc.seed
+        d = rc.data
+        root = str(Path(d.root).expanduser()) if d.root else None
+        data = load_dataset(d.name, root, download=d.download, **d.source_keys())
         digest = data.digest()
         check_data(saved, digest)  # a resume trains on its run's data (still nothing written)
         self.provenance = provenance(digest, str(self.device))
-        scfg = plain(cfg.split)
-        split = scfg.pop("name")
-        n = int(cfg.clients)
+        n = rc.clients
         self.partition = make_partition(
-            data.y_train.numpy(), data.y_test.numpy(), n, seed, split, scfg
+            data.y_train.numpy(),
+            data.y_test.numpy(),
+            n,
+            seed,
+            rc.split.name,
+            rc.option_keys("split"),
         )
         _warn_small_tests(self.partition.test)
-        s_idx, g_idx = eval_sets(self.partition, seed, float(cfg.eval.s_frac))
+        s_idx, g_idx = eval_sets(self.partition, seed, rc.eval.s_frac)
         self.eval_sets = {"S": [i.tolist() for i in s_idx], "G": [i.tolist() for i in g_idx]}
         self.fed = Federation(
             data,
@@ -255,36 +242,37 @@ class Run:
             self.device,
             s_idx=s_idx,
             g_idx=g_idx,
-            augment=augment,
-            normalize=normalize,
+            augment=d.augment,
+            normalize=d.normalize,
         )
         self.labels_pool = np.concatenate([data.y_train.numpy(), data.y_test.numpy()])
         self.num_classes = data.num_classes
-        mcfg = plain(cfg.model)
-        mname = mcfg.pop("name")
-        self.model_fn = partial(build_model, mname, data.input_shape, data.num_classes, **mcfg)
+        m = rc.model
+        self.model_fn = partial(
+            build_model, m.name, data.input_shape, data.num_classes, **rc.option_keys("model")
+        )
         torch.manual_seed(seed)
         model = self.model_fn()
-        ecfg = cfg.engine
+        e = rc.engine
         self.engine = Engine(
             self.fed,
             model,
             device=self.device,
             seed=seed,
-            backend=str(ecfg.backend),
-            drop_last=bool(ecfg.drop_last),
-            eval_batch_size=int(cfg.eval.batch_size),
-            chunk_clients=None if ecfg.get("chunk_clients") is None else int(ecfg.chunk_clients),
-            memory_budget=None if ecfg.get("memory_budget") is None else float(ecfg.memory_budget),
+            backend=e.backend,
+            drop_last=e.drop_last,
+            eval_batch_size=rc.eval.batch_size,
+            chunk_clients=e.chunk_clients,
+            memory_budget=e.memory_budget,
             # per-client rows off the device; a store past host_rows_gib: a mapped file here
-            rows=RowsPolicy(int(float(ecfg.get("host_rows_gib", 2.0)) * GIB), self.out / "rows"),
+            rows=RowsPolicy(int(e.host_rows_gib * GIB), self.out / "rows"),
         )
         # malicious clients (fedbench/attack.py): they act in Algorithm.receive only
-        self.attack = Attack.from_cfg(cfg, n)  # seeds its own generators, not torch's
-        self.algo = algo_cls(cfg, self.fed, self.engine, self.model_fn, attack=self.attack)
+        self.attack = Attack.from_config(rc)  # seeds its own generators, not torch's
+        self.algo = algo_cls(rc, self.fed, self.engine, self.model_fn, attack=self.attack)
         if self.attack is not None and not algo_cls.attackable:
             raise ConfigError(
-                f"attack.kind={cfg.attack.kind}: algo={cfg.algo.name} does not route its "
+                f"attack.kind={rc.attack.kind}: algo={rc.algo.name} does not route its "
                 "uploads through Algorithm.receive, so the attack cannot reach it"
             )
         self.honest = None if self.attack is None else self.attack.honest
@@ -294,7 +282,7 @@ class Run:
         # signals seen and how far the run got (the CLI's own handler reads it: a signal
         # after the loop's end only waits, the run is then complete)
         self.stop = _Stop()
-        self.per_round = clients_per_round(cfg.participation, n)
+        self.per_round = clients_per_round(rc)
         self.sampler = np.random.default_rng([seed, 7])
 
     # ------------------------------------------------------------------ loop
@@ -317,12 +305,12 @@ class Run:
         if done is not None:
             log.info("%s", done.line)
             return done.summary
-        with RunDir.claim(self.out, resume=bool(self.cfg.resume)):
+        with RunDir.claim(self.out, resume=bool(self.config.resume)):
             files = {".hydra/config.yaml": OmegaConf.to_yaml(self.cfg), **(hydra_files or {})}
             for rel, text in files.items():
                 atomic_write_text(self.out / rel, text)
             with _log_file(self.out / "run.log"):
-                sinks = Sinks.from_cfg(plain(self.cfg.get("log")))
+                sinks = Sinks.from_config(self.config.log)
                 try:
                     summary = self._run(sinks, until)
                 except Exception as e:
@@ -336,7 +324,7 @@ class Run:
                 return summary
 
     def _run(self, sinks: Sinks, until: int | None = None) -> dict:
-        cfg = self.cfg
+        rc = self.config
         # class counts per client ride along, so the report draws the split without the data
         counts = partition_counts(
             self.labels_pool, self.partition.train, self.partition.test, self.num_classes
@@ -347,20 +335,20 @@ class Run:
         )
         log.info(
             "%s on %s (%s split, %d clients, %d per round), model %s: %d parameters; device %s",
-            cfg.algo.name,
-            cfg.data.name,
-            cfg.split.name,
+            rc.algo.name,
+            rc.data.name,
+            rc.split.name,
             self.fed.num_clients,
             self.per_round,
-            cfg.model.name,
+            rc.model.name,
             self.engine.n_params,
             self.device,
         )
         log.info("partition:\n%s", self.partition.summary(self.labels_pool, self.num_classes))
-        rounds = int(cfg.rounds)
-        every = int(cfg.eval.every)
-        ckpt_every = int(cfg.checkpoint.every)
-        tail = float(cfg.eval.tail)
+        rounds = rc.rounds
+        every = rc.eval.every
+        ckpt_every = rc.checkpoint.every
+        tail = rc.eval.tail
         # Everything the loop accumulates: checkpointed with the algorithm so that a resumed
         # run ends exactly as an uninterrupted one. metrics.csv (one row per evaluation, small)
         # rides along whole, so a resume can restore it; clients.csv only by its length.
@@ -375,11 +363,11 @@ class Run:
             "metrics_csv": b"",
             "clients_len": 0,
         }
-        if cfg.resume and (self.out / CHECKPOINT).exists():
+        if rc.resume and (self.out / CHECKPOINT).exists():
             st = self._restore(rounds, every)
             st.setdefault("best_val", None)  # a checkpoint from before validation sets
             self.stop.checkpoint_round = int(st["next_round"])
-        sinks.start(plain(cfg), self.out, bool(cfg.resume))
+        sinks.start(plain(self.cfg), self.out, bool(rc.resume))
         metrics = _appender(self.out / "metrics.csv", st["metrics_csv"])
         clients = _clients_appender(self.out / "clients.csv", st["clients_len"])
         comm = st["comm"]
@@ -387,7 +375,7 @@ class Run:
         stop_at = rounds if until is None else min(int(until), rounds)
         bar = tqdm(
             range(st["next_round"], stop_at),
-            desc=str(cfg.algo.name),
+            desc=rc.algo.name,
             disable=not self.progress,
             leave=False,
             initial=st["next_round"],
@@ -452,19 +440,19 @@ class Run:
 
     def _finish(self, st: dict, rounds: int, t0: float, sinks: Sinks) -> dict:
         """Write summary.json (the run is then complete) and close the trackers."""
-        cfg = self.cfg
+        rc = self.config
         wall = time.perf_counter() - t0
         if st["final"] is None:
             raise FedbenchError(f"{self.out}: no evaluation was made (rounds={rounds})")
         summary = {
-            "algo": str(cfg.algo.name),
-            "data": str(cfg.data.name),
-            "split": str(cfg.split.name),
-            "model": str(cfg.model.name),
-            "seed": int(cfg.seed),
+            "algo": rc.algo.name,
+            "data": rc.data.name,
+            "split": rc.split.name,
+            "model": rc.model.name,
+            "seed": rc.seed,
             "rounds": rounds,
             "clients": self.fed.num_clients,
-            "participation": float(cfg.participation),
+            "participation": rc.participation,
             "wall_time_s": round(wall, 3),
             "device": str(self.device),
             "version": fedbench.__version__,
@@ -478,14 +466,14 @@ class Run:
         if st["size"]:
             summary["size"] = st["size"]
         summary["objective"] = objective_record(
-            summary, str(cfg.objective.metric), str(cfg.objective.at), self.tuning
+            summary, rc.objective.metric, rc.objective.at, self.tuning
         )
         atomic_write_json(self.out / "summary.json", summary)
         sinks.finish(summary)
         return summary
 
     def _select_rule(self) -> str:
-        return resolve_select(str(self.cfg.eval.select), self.fed.val_idx is not None)
+        return resolve_select(self.config.eval.select, self.fed.val_idx is not None)
 
     def _check_loss(self, train_loss: torch.Tensor | float, t: int) -> float:
         loss = float(train_loss)
@@ -501,7 +489,7 @@ class Run:
                     "training diverged at round %d under attack.kind=%s (loss %s); "
                     "the run goes on and scores the collapsed models",
                     t + 1,
-                    self.cfg.attack.kind,
+                    self.config.attack.kind,
                     loss,
                 )
         return loss
@@ -518,7 +506,7 @@ class Run:
         )
         if not self._ckpt_logged:
             self._ckpt_logged = True
-            every = int(self.cfg.checkpoint.every)
+            every = self.config.checkpoint.every
             log.info("%s: %.1f MB (every %s rounds)", CHECKPOINT, size / 1e6, every or "no")
 
     def _restore(self, rounds: int, every: int) -> dict:

@@ -25,6 +25,16 @@ from typing import Any, Protocol
 from fedbench.errors import ConfigError
 from fedbench.trees import flat_items
 
+
+class LogParams(Protocol):
+    """The run's checked `log` settings (fedbench.config.LogParams, which checks them; the
+    config sits above this module, which it calls)."""
+
+    tensorboard: bool
+    wandb: Any  # project, mode, entity
+    mlflow: Any  # uri, experiment
+
+
 log = logging.getLogger("fedbench")
 
 # config key -> (module to import, extra to install)
@@ -45,19 +55,19 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-def wanted(log_cfg: Mapping) -> list[str]:
+def wanted(log_cfg: LogParams) -> list[str]:
     """The sinks a `log` config switches on."""
     out = []
-    if log_cfg.get("tensorboard"):
+    if log_cfg.tensorboard:
         out.append("tensorboard")
-    if (log_cfg.get("wandb") or {}).get("project"):
+    if log_cfg.wandb.project:
         out.append("wandb")
-    if (log_cfg.get("mlflow") or {}).get("uri"):
+    if log_cfg.mlflow.uri:
         out.append("mlflow")
     return out
 
 
-def check_installed(log_cfg: Mapping) -> None:
+def check_installed(log_cfg: LogParams) -> None:
     """ConfigError (one line, naming the pip command) for a sink whose package is missing."""
     for name in wanted(log_cfg):
         module, extra = EXTRAS[name]
@@ -221,18 +231,18 @@ class Sinks:
         self.sinks = sinks
 
     @classmethod
-    def from_cfg(cls, log_cfg: Mapping | None) -> Sinks:
-        log_cfg = log_cfg or {}
+    def from_config(cls, log_cfg: LogParams) -> Sinks:
+        """The sinks the run's `log` settings switch on."""
         made: dict[str, Sink] = {}
         for name in wanted(log_cfg):
             if name == "tensorboard":
                 made[name] = TensorBoardSink()
             elif name == "wandb":
-                w = log_cfg["wandb"]
-                made[name] = WandbSink(str(w["project"]), str(w["mode"]), w.get("entity"))
+                w = log_cfg.wandb
+                made[name] = WandbSink(w.project, w.mode, w.entity)
             elif name == "mlflow":
-                m = log_cfg["mlflow"]
-                made[name] = MlflowSink(str(m["uri"]), str(m["experiment"]))
+                m = log_cfg.mlflow
+                made[name] = MlflowSink(m.uri, m.experiment)
         return cls(made)
 
     def _each(self, what: str, *args: Any) -> None:

@@ -45,12 +45,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
+from hydra import compose, initialize_config_dir
 from torch.utils.flop_counter import FlopCounterMode
 
 from fedbench.algorithms.fedavg import FedAvg
+from fedbench.config import load_config, task_config
 from fedbench.engine import Engine
 from fedbench.models import build_model
+from fedbench.paths import CONF_DIR
 
 LR = 0.01
 IMPLS = ("minimal", "sequential", "vmap")
@@ -132,17 +134,22 @@ def fedbench_round(case: Case, fed: SyntheticFed, device: torch.device, backend:
     """fedbench's FedAvg round (the algorithm class and the engine) on one backend."""
     torch.manual_seed(0)
     engine = Engine(fed, case.make_model(), device=device, backend=backend)
-    cfg = OmegaConf.create(
-        {
-            "algo": {"name": "fedavg", "weighting": "samples"},
-            "optim": {"name": "sgd", "lr": LR},
-            "local_epochs": case.epochs,
-            "batch_size": case.batch,
-            "rounds": 1000,  # read by every algorithm (schedules over T); not by FedAvg's round
-            "seed": 0,
-        }
-    )
-    algo = FedAvg(cfg, fed, engine, case.make_model)
+    overrides = [
+        "algo=fedavg",
+        "algo.weighting=samples",
+        f"optim.lr={LR}",
+        f"local_epochs={case.epochs}",
+        f"batch_size={case.batch}",
+        "rounds=1000",  # read by every algorithm (schedules over T); not by FedAvg's round
+        "seed=0",
+        "device=cpu",
+    ]
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        # the algorithm's name is the option chosen (task_config resolves it)
+        cfg = task_config(
+            compose(config_name="config", overrides=overrides, return_hydra_config=True)
+        )
+    algo = FedAvg(load_config(cfg), fed, engine, case.make_model)
     return algo.round
 
 

@@ -94,7 +94,7 @@ def measure(args) -> list[dict]:
     sys.path.insert(0, str(ROOT))
     from fedbench.algorithms import ALGORITHMS
     from fedbench.cli import CONF_DIR
-    from fedbench.config import task_config
+    from fedbench.config import load_config, task_config
     from fedbench.engine import Engine
     from fedbench.evaluation import evaluate
     from fedbench.models import build_model
@@ -118,7 +118,7 @@ def measure(args) -> list[dict]:
         cfg = task_config(cfg)
         torch.manual_seed(0)
         engine = Engine(fed, model_fn(), device="cpu", eval_batch_size=args.test)
-        algo = ALGORITHMS.get(name)(cfg, fed, engine, model_fn)
+        algo = ALGORITHMS.get(name)(load_config(cfg), fed, engine, model_fn)
         if hasattr(algo, "seen"):
             algo.seen[:] = True  # every client deploys its own row
         honest = None

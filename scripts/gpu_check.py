@@ -433,6 +433,7 @@ def check_eval_memory(device: str) -> tuple[str, str, dict]:
     import torch
 
     from fedbench.algorithms import ALGORITHMS
+    from fedbench.config import load_config
     from fedbench.engine import Engine
     from fedbench.evaluation import evaluate
     from fedbench.models import build_model
@@ -451,7 +452,7 @@ def check_eval_memory(device: str) -> tuple[str, str, dict]:
     for name in ("fedavg", "ditto", "fedrep", "plgu_grep"):
         torch.manual_seed(0)
         engine = Engine(fed, model_fn(), device=device, eval_batch_size=64)
-        algo = ALGORITHMS.get(name)(compose([f"algo={name}"]), fed, engine, model_fn)
+        algo = ALGORITHMS.get(name)(load_config(compose([f"algo={name}"])), fed, engine, model_fn)
         if hasattr(algo, "seen"):
             algo.seen[:] = True  # every client deploys its own row
         D = engine.n_state

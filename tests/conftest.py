@@ -157,6 +157,7 @@ def make_algo(
     (None: the config's), the engine's `backend`, on TEST_DEVICE (`fed` is moved there).
     Returns (algorithm, engine, federation)."""
     from fedbench.algorithms import ALGORITHMS
+    from fedbench.config import load_config
     from fedbench.engine import Engine
     from fedbench.models import build_model
 
@@ -169,7 +170,7 @@ def make_algo(
     else:
         model_fn = partial(model_fn, fed)
     eng = Engine(fed, model_fn(), device=TEST_DEVICE, backend=backend)
-    return ALGORITHMS.get(algo)(cfg, fed, eng, model_fn), eng, fed
+    return ALGORITHMS.get(algo)(load_config(cfg), fed, eng, model_fn), eng, fed
 
 
 def run_small(tmp_path, overrides: list[str], rounds: int = 5, base: list[str] = SMALL_FMNIST):

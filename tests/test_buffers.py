@@ -23,6 +23,7 @@ from conftest import SMALL_FMNIST, TinyFed, bn_mlp, compose, fmnist_available
 from fedbench.algorithms import ALGORITHMS
 from fedbench.algorithms.diversifed import mixing_matrix
 from fedbench.algorithms.fedamp import attention_weights
+from fedbench.config import load_config
 from fedbench.engine import Engine
 
 
@@ -31,7 +32,7 @@ def bn_algo(name: str, extra=()):
     cfg = compose([f"algo={name}", "batch_size=64", "optim.lr=0.1", *extra])
     torch.manual_seed(0)
     eng = Engine(fed, bn_mlp(), device="cpu")
-    return ALGORITHMS.get(name)(cfg, fed, eng, bn_mlp), eng, fed
+    return ALGORITHMS.get(name)(load_config(cfg), fed, eng, bn_mlp), eng, fed
 
 
 def far_apart(states: torch.Tensor, n_params: int) -> None:

@@ -17,6 +17,7 @@ from fedbench.algorithms.fedamp import attention_weights
 from fedbench.algorithms.fedcac import collaborators, critical_masks, overlap
 from fedbench.algorithms.fedproto import nearest_prototype
 from fedbench.algorithms.fedrod import TwoHeadModel, rod_loss
+from fedbench.config import load_config
 from fedbench.engine import ModelSpec
 from fedbench.evaluation import evaluate, summaries
 from fedbench.models import build_model
@@ -273,7 +274,7 @@ def test_second_engines_take_the_runs_chunking_and_memory_budget():
             fed, model_fn(), device="cpu", seed=5, backend="vmap", drop_last=True,
             eval_batch_size=7, chunk_clients=2, memory_budget=0.25,
         )  # fmt: skip
-        trainer = ALGORITHMS.get(name)(cfg, fed, eng, model_fn).trainer
+        trainer = ALGORITHMS.get(name)(load_config(cfg), fed, eng, model_fn).trainer
         got = {k: getattr(trainer, k) for k in ("chunk_clients", "memory_budget", "seed")}
         assert got == {"chunk_clients": 2, "memory_budget": 0.25, "seed": 5}
         assert (trainer.backend, trainer.drop_last, trainer.eval_batch_size) == ("vmap", True, 7)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from conftest import TinyFed, bn_mlp, compose, crash_and_resume, make_algo, run_small
 from fedbench.algorithms.fedala import aggregate, ala_step, start_phase_done
+from fedbench.config import load_config
 from fedbench.errors import ConfigError
 
 
@@ -186,7 +187,9 @@ def test_ala_keeps_the_clients_own_running_statistics():
     fed = TinyFed()
     torch.manual_seed(0)
     eng = Engine(fed, bn_mlp(), device="cpu")
-    algo = ALGORITHMS.get("fedala")(compose(["algo=fedala", "batch_size=8"]), fed, eng, bn_mlp)
+    algo = ALGORITHMS.get("fedala")(
+        load_config(compose(["algo=fedala", "batch_size=8"])), fed, eng, bn_mlp
+    )
     apart(algo, eng)
     P = eng.n_params
     algo.theta[:, P:] = torch.rand(3, eng.n_state - P, generator=torch.Generator().manual_seed(2))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import SMALL_FMNIST_BN_CNN, TinyFed, compose, crash_and_resume, run_small
+from fedbench.config import load_config
 
 
 def cnn_algo(norm: str, *over: str, plain_norm1: bool = False):
@@ -33,7 +34,7 @@ def cnn_algo(norm: str, *over: str, plain_norm1: bool = False):
     torch.manual_seed(0)
     eng = Engine(fed, model_fn(), device="cpu")
     cfg = compose(["algo=fedbn", "batch_size=8", "optim.lr=0.1", *over])
-    return ALGORITHMS.get("fedbn")(cfg, fed, eng, model_fn), eng, fed
+    return ALGORITHMS.get("fedbn")(load_config(cfg), fed, eng, model_fn), eng, fed
 
 
 def norm_modules(eng, kinds) -> set[str]:

@@ -18,6 +18,7 @@ from torch.func import functional_call
 from conftest import TinyFed, bn_mlp, compose, crash_and_resume, make_algo, run_small
 from fedbench.algorithms._shared import train_on
 from fedbench.algorithms.fedcp import RBF_BANDWIDTHS, CPModel, fedcp_loss, mmd2
+from fedbench.config import load_config
 
 
 def views(spec, state: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -253,7 +254,7 @@ def bn_fedcp():
     torch.manual_seed(0)
     eng = Engine(fed, bn_mlp(), device="cpu")
     cfg = compose(["algo=fedcp", "batch_size=8"])
-    return ALGORITHMS.get("fedcp")(cfg, fed, eng, bn_mlp), fed
+    return ALGORITHMS.get("fedcp")(load_config(cfg), fed, eng, bn_mlp), fed
 
 
 @pytest.mark.quick

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import crash_and_resume, make_algo, run_small
+from fedbench.config import load_config
 from fedbench.errors import ConfigError
 
 
@@ -74,8 +75,8 @@ def test_batchnorm_statistics_of_a_personal_layer_stay_personal():
     opts = dict(preset=None, channels=[4, 4], fc=[8], kernel=3, padding=1, norm="batch")
     model_fn = lambda: build_model("cnn", fed.input_shape, fed.num_classes, **opts)  # noqa: E731
     eng = Engine(fed, model_fn(), device="cpu")
-    algo = ALGORITHMS.get("fedper")(compose(["algo=fedper", "algo.personal_layers=3"]), fed,
-                                    eng, model_fn)  # fmt: skip
+    cfg = load_config(compose(["algo=fedper", "algo.personal_layers=3"]))
+    algo = ALGORITHMS.get("fedper")(cfg, fed, eng, model_fn)
     own = algo.personal_entries
     assert len(eng.model.layers()) == 4  # conv+norm, conv+norm, fc, head
     personal_convs = {p.rsplit(".", 1)[0] for p in eng.model.layers()[1].params}
@@ -98,7 +99,7 @@ def test_personal_layers_are_the_last_ones():
     model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8, 8])  # noqa: E731
     eng = Engine(fed, model_fn(), device="cpu")
     cfg = compose(["algo=fedper", "algo.personal_layers=2"])
-    algo = ALGORITHMS.get("fedper")(cfg, fed, eng, model_fn)
+    algo = ALGORITHMS.get("fedper")(load_config(cfg), fed, eng, model_fn)
     layers = eng.model.layers()
     assert len(layers) == 3
     names = {p for layer in layers[-2:] for p in layer.params}
@@ -106,7 +107,7 @@ def test_personal_layers_are_the_last_ones():
     assert not algo.personal_entries[eng.n_params :].any()  # buffers stay with the base
     with pytest.raises(ConfigError, match="personal_layers=3: the model has 3 layers"):
         ALGORITHMS.get("fedper")(
-            compose(["algo=fedper", "algo.personal_layers=3"]), fed, eng, model_fn
+            load_config(compose(["algo=fedper", "algo.personal_layers=3"])), fed, eng, model_fn
         )
 
 

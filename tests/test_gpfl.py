@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from conftest import crash_and_resume, make_algo, run_small
 from fedbench.algorithms.gpfl import CoV, angle_loss, gpfl_objective, magnitude_loss
+from fedbench.config import load_config
 
 
 def layer_norm(v: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -242,9 +243,9 @@ def test_cov_and_gce_come_from_the_seed_not_the_global_rng():
 
     a, eng, fed = make_algo("gpfl")
     before = torch.random.get_rng_state()
-    b = type(a)(compose(["algo=gpfl", "seed=1"]), fed, eng, a.model_fn)
+    b = type(a)(load_config(compose(["algo=gpfl", "seed=1"])), fed, eng, a.model_fn)
     assert torch.equal(torch.random.get_rng_state(), before)
-    c = type(a)(compose(["algo=gpfl"]), fed, eng, a.model_fn)
+    c = type(a)(load_config(compose(["algo=gpfl"])), fed, eng, a.model_fn)
     assert torch.equal(a.ext, c.ext) and not torch.equal(a.ext, b.ext)
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from conftest import TinyFed, bn_mlp, compose, crash_and_resume, make_algo, run_small
 from fedbench.algorithms.moon import ModelContrastive, contrastive_loss
+from fedbench.config import load_config
 
 
 def l_con_by_hand(z, zg, zp, tau):
@@ -148,7 +149,9 @@ def test_reference_models_read_their_batchnorm_statistics_and_keep_them():
     fed = TinyFed()
     torch.manual_seed(0)
     eng = Engine(fed, bn_mlp(), device="cpu")
-    algo = ALGORITHMS.get("moon")(compose(["algo=moon", "batch_size=8"]), fed, eng, bn_mlp)
+    algo = ALGORITHMS.get("moon")(
+        load_config(compose(["algo=moon", "batch_size=8"])), fed, eng, bn_mlp
+    )
     P = eng.n_params
     glob = algo.w.clone()
     glob[P:] = torch.rand(eng.n_state - P, generator=torch.Generator().manual_seed(1)) + 0.5

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from fedbench import cli
 from fedbench.algorithms import ALGORITHMS
+from fedbench.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -251,7 +252,7 @@ def test_attack_is_a_constructor_argument(name):
     attack = Attack("a2", 0.34, fed.num_clients, 0)
     try:
         algo = ALGORITHMS.get(name)(
-            cfg, fed, Engine(fed, model_fn(), device="cpu"), model_fn, attack=attack
+            load_config(cfg), fed, Engine(fed, model_fn(), device="cpu"), model_fn, attack=attack
         )
     except Exception as e:  # noqa: BLE001 - an algorithm that needs another model/data
         pytest.skip(f"{name} not buildable on TinyFed: {e}")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import TinyFed, bn_mlp, compose, crash_and_resume, make_algo, run_small
+from fedbench.config import load_config
 from fedbench.errors import ConfigError
 
 
@@ -204,7 +205,9 @@ def test_running_statistics_are_the_clients_own():
     fed = TinyFed()
     torch.manual_seed(0)
     eng = Engine(fed, bn_mlp(), device="cpu")
-    algo = ALGORITHMS.get("pfedla")(compose(["algo=pfedla", "batch_size=8"]), fed, eng, bn_mlp)
+    algo = ALGORITHMS.get("pfedla")(
+        load_config(compose(["algo=pfedla", "batch_size=8"])), fed, eng, bn_mlp
+    )
     assert algo.n_layers == 2  # Linear + BatchNorm, head
     P = eng.n_params
     g = torch.Generator().manual_seed(1)

@@ -14,6 +14,7 @@ import torch
 
 from conftest import TinyFed, compose, make_algo, run_small
 from fedbench.cli import CONF_DIR
+from fedbench.config import load_config
 from fedbench.errors import ConfigError
 from fedbench.models import build_model
 from fedbench.models.hypernet import hypernet_size, select_targets
@@ -325,7 +326,7 @@ def make_bn(algo: str, extra=(), backend="auto"):
 
     torch.manual_seed(0)
     eng = Engine(fed, model_fn(), device="cpu", backend=backend)
-    return ALGORITHMS.get(algo)(cfg, fed, eng, model_fn), fed
+    return ALGORITHMS.get(algo)(load_config(cfg), fed, eng, model_fn), fed
 
 
 BN_CASES = [

@@ -80,7 +80,7 @@ ServerOptVariant = Literal["paper", "authors_code"]
 @dataclass(frozen=True)
 class ServerOptSettings:
     """The run's `server_opt` node, typed (conf/server_opt/<name>.yaml); a cross-key fault
-    raises ConfigError here (`check_config` builds one)."""
+    raises ConfigError here (`load_config` builds one)."""
 
     name: ServerOptName = "none"
     lr: float = 1.0

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
 from fedbench.algorithms._about import About
 from fedbench.algorithms._server import ServerOptimizer, ServerOptSettings
-from fedbench.algorithms.params import typed_params
 from fedbench.engine import ClientRows, Engine, OptimConfig, TrainResult
 from fedbench.errors import ConfigError
 from fedbench.paths import CONF_DIR
@@ -76,8 +76,8 @@ class RoundReport:
 
 @dataclass(frozen=True)
 class RunSettings:
-    """The run-level settings an algorithm reads, typed, built once from the config
-    (`from_cfg`); an algorithm reads these and its `hp`, nothing else of the config."""
+    """The run-level settings an algorithm reads, from the checked config (`from_config`);
+    an algorithm reads these and its `hp`, nothing else of the config."""
 
     local_epochs: int  # local epochs E per round (`local_epochs`)
     batch_size: int  # local mini-batch size B (`batch_size`)
@@ -87,14 +87,27 @@ class RunSettings:
     server_opt: ServerOptSettings  # the server's optimizer (`server_opt`, averaging servers)
 
     @classmethod
-    def from_cfg(cls, cfg) -> RunSettings:
+    def from_config(cls, rc: Any) -> RunSettings:
+        """From the checked config (fedbench.config.RunConfig)."""
+        o = rc.optim
+        optimizer = OptimConfig(
+            name=o.name,
+            lr=o.lr,
+            momentum=o.momentum,
+            weight_decay=o.weight_decay,
+            nesterov=o.nesterov,
+            betas=(o.betas[0], o.betas[1]),
+            eps=o.eps,
+            lr_decay=o.lr_decay,
+            persist_state=o.persist_state,
+        )
         return cls(
-            local_epochs=int(cfg.local_epochs),
-            batch_size=int(cfg.batch_size),
-            rounds=int(cfg.rounds),
-            seed=int(cfg.seed),
-            optimizer=OptimConfig.from_cfg(cfg.optim),
-            server_opt=ServerOptSettings.from_cfg(cfg.get("server_opt")),
+            local_epochs=rc.local_epochs,
+            batch_size=rc.batch_size,
+            rounds=rc.rounds,
+            seed=rc.seed,
+            optimizer=optimizer,
+            server_opt=rc.server_opt,
         )
 
 
@@ -134,10 +147,27 @@ class Algorithm:
     # `server_opt` (FedAvgM, FedAdagrad, FedAdam, FedYogi; algorithms/_server.py) applies
     server_optimizable: ClassVar[bool] = False
 
-    def __init__(self, cfg, fed, engine: Engine, model_fn, *, attack: Attack | None = None) -> None:
-        # every way of building one checks the hyperparameters
-        self.hp = typed_params(cfg.algo, self.Params, self.name)
-        self.run = RunSettings.from_cfg(cfg)
+    def __init__(
+        self,
+        cfg: Any,
+        fed,
+        engine: Engine,
+        model_fn,
+        *,
+        attack: Attack | None = None,
+    ) -> None:
+        # the checked config (fedbench.config.load_config; not imported here: the config
+        # sits above the algorithms, whose Params it checks)
+        rc = cfg
+        if isinstance(rc, DictConfig | dict):
+            raise TypeError(
+                f"{type(self).__name__} takes the checked config: "
+                "fedbench.config.load_config(cfg), not the composed one"
+            )
+        if type(rc.algo.params) is not self.Params:
+            raise ConfigError(f"algo={rc.algo.name}: the config is not algo={self.name}'s")
+        self.hp = rc.algo.params
+        self.run = RunSettings.from_config(rc)
         self.fed = fed
         self.engine = engine
         self.model_fn = model_fn

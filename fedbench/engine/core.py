@@ -48,7 +48,6 @@ from fedbench.engine.spec import ModelSpec
 from fedbench.engine.store import OptimStates
 from fedbench.engine.terms import Term
 from fedbench.engine.vmap import VmapBackend, blocker
-from fedbench.errors import ConfigError
 
 BACKENDS = ("auto", "sequential", "vmap")
 
@@ -72,12 +71,7 @@ class Engine:
         memory_budget: float | None = None,
         rows: RowsPolicy | None = None,
     ) -> None:
-        if backend not in BACKENDS:
-            raise ConfigError(f"engine.backend={backend!r}; valid: {', '.join(BACKENDS)}")
-        if chunk_clients is not None and chunk_clients < 1:
-            raise ConfigError(f"engine.chunk_clients={chunk_clients} must be >= 1 (or null)")
-        if memory_budget is not None and memory_budget <= 0:
-            raise ConfigError(f"engine.memory_budget={memory_budget} GiB must be > 0 (or null)")
+        # a run's settings come checked (fedbench/config.py's `engine` and `eval` keys)
         self.fed = fed
         self.device = torch.device(device)
         self.model = model.to(self.device)
