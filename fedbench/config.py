@@ -78,7 +78,9 @@ class EngineParams:
     drop_last: bool
     chunk_clients: int | None = at_least(1)
     memory_budget: float | None = positive()
-    host_rows_gib: float = nonneg()  # per-client rows above this: a memory-mapped file
+    # per-client rows above this: a memory-mapped file (where rows live, never a result:
+    # a run saved before the key equals any value)
+    host_rows_gib: float = hp(ge=0, absent=2.0)
 
 
 @dataclass(frozen=True)

@@ -56,9 +56,11 @@ def _ids(idx: Any, n: int) -> tuple[torch.Tensor, bool]:
     if isinstance(idx, torch.Tensor):
         if idx.dtype == torch.bool:
             raise TypeError("ClientRows: index with client ids, not a boolean mask")
+        # ids on meta (shapes only) stay there: a meta store indexes its meta rows with them
+        host = "meta" if idx.is_meta else "cpu"
         if idx.dim() == 0:
-            return idx.detach().reshape(1).to("cpu", torch.long), True
-        return idx.detach().reshape(-1).to("cpu", torch.long), False
+            return idx.detach().reshape(1).to(host, torch.long), True
+        return idx.detach().reshape(-1).to(host, torch.long), False
     return torch.as_tensor(np.asarray(idx, dtype=np.int64)).reshape(-1), False
 
 
@@ -85,7 +87,10 @@ class ClientRows:
         self.name = name
         self.device = torch.device(device)
         self.policy = policy or RowsPolicy()
-        self.default = default.detach().to("cpu").clone()
+        # where the rows live: the host, except for `meta` (shapes without data, the tests'
+        # stand-in for a GPU), whose rows cannot be copied out and stay there
+        self.host = torch.device("meta" if self.device.type == "meta" else "cpu")
+        self.default = default.detach().to(self.host).clone()
         self.row_shape = tuple(self.default.shape)
         self.dtype = self.default.dtype
         row_bytes = max(1, self.default.numel() * self.default.element_size())
@@ -109,7 +114,17 @@ class ClientRows:
     def nbytes(self) -> int:
         return self.n * self.default.numel() * self.default.element_size()
 
+    @property
+    def _meta(self) -> bool:
+        """Rows on `meta`: no values, so no bookkeeping of which rows were written (that is
+        data too); every read and write keeps its shapes, as the tests' stand-in for a GPU."""
+        return self.host.type == "meta"
+
     def _host_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._meta:
+            if self._data is None:
+                return self.default.expand(len(ids), *self.row_shape).clone()
+            return self._data[ids]
         out = self.default.expand(len(ids), *self.row_shape).clone()
         if self._data is not None:
             own = self.written[ids]
@@ -122,7 +137,8 @@ class ClientRows:
     def __getitem__(self, idx: Any) -> torch.Tensor:
         idx, cols = _split(idx)
         ids, one = _ids(idx, self.n)
-        self.touched[ids] = True
+        if not self._meta:
+            self.touched[ids] = True
         out = self._host_rows(ids).to(self.device)
         return out[0][cols] if one else out[(slice(None), *cols)]
 
@@ -133,10 +149,12 @@ class ClientRows:
             rows[cols if isinstance(idx, int | np.integer) else (slice(None), *cols)] = value
             value = rows
         ids, _ = _ids(idx, self.n)
-        v = torch.as_tensor(value).detach().to("cpu", self.dtype)
+        v = torch.as_tensor(value).detach().to(self.host, self.dtype)
         self._allocate()
         assert self._data is not None
         self._data[ids] = v.expand(len(ids), *self.row_shape)
+        if self._meta:
+            return
         self.written[ids] = True
         self.dirty[ids] = True
         self.touched[ids] = True
@@ -178,8 +196,8 @@ class ClientRows:
         if self._data is not None:
             return
         d = self.policy.directory
-        if d is None or self.nbytes <= self.policy.in_memory_bytes:
-            self._data = torch.empty(self.shape, dtype=self.dtype)
+        if d is None or self.nbytes <= self.policy.in_memory_bytes or self.host.type == "meta":
+            self._data = torch.empty(self.shape, dtype=self.dtype, device=self.host)
             return
         d.mkdir(parents=True, exist_ok=True)
         path = d / f".{self.name}.{id(self):x}.rows"
@@ -233,13 +251,14 @@ class ClientRows:
         if isinstance(saved, ClientRows):
             if saved.shape != self.shape:
                 raise ValueError(f"{self.name}: rows {tuple(saved.shape)}, want {self.shape}")
-            self.default = saved.default.clone()
-            self.written = saved.written.clone()
+            self.default = saved.default.to(self.host).clone()
             if saved._data is not None:
                 self._allocate()
                 assert self._data is not None
                 self._data.copy_(saved._data)
-            self.dirty.copy_(self.written)
+            if not self._meta:
+                self.written = saved.written.to("cpu").clone()
+                self.dirty.copy_(self.written)
             return
         if isinstance(saved, torch.Tensor):
             if tuple(saved.shape) != tuple(self.shape):
