@@ -101,6 +101,7 @@ def test_resume_marks_are_the_schemas():
         "server_opt.name": "none",
         "server_opt.variant": "paper",
         "server_opt.initial_accumulator": None,
+        "engine.host_rows_gib": 2.0,
     }
 
 

@@ -153,7 +153,8 @@ class VmapBackend:
             ost = self.optim_states.get(optim, plan.slot, ids, W)
             bufs = self._buffers(states[pos])
             chunk = [sched[c] for c in order[lo : lo + k]]
-            draws = [self.schedule.draws_of(plan, clients[c], sched[c][0]) for c in order[lo : lo + k]]
+            mine = order[lo : lo + k]  # positions on the host: no device-to-host copy
+            draws = [self.schedule.draws_of(plan, clients[c], sched[c][0]) for c in mine]
             losses[pos] = self._train_chunk(
                 W, bufs, ost, chunk, draws, optim, plan.lr, plan.terms, plan.mask, sam, pos
             )
