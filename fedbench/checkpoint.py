@@ -83,11 +83,17 @@ class CheckpointError(FedbenchError):
 # ----------------------------------------------------------------------------- config checks
 def resume_differences(saved: dict, now: dict) -> list[str]:
     """'key (checkpoint -> now)' for every key outside RESUME_MAY_CHANGE that differs."""
+    return config_differences(saved, now, RESUME_MAY_CHANGE)
+
+
+def config_differences(saved: dict, now: dict, ignore) -> list[str]:
+    """'key (saved -> now)' for every differing key of two plain configs, but the keys
+    under `ignore` and a key added since `saved` was written at its ABSENT_MEANS value."""
     a, b = flat_items(saved), flat_items(now)
     missing = object()
     out = []
     for k in sorted(set(a) | set(b)):
-        if any(k == p or k.startswith(p + ".") for p in RESUME_MAY_CHANGE):
+        if any(k == p or k.startswith(p + ".") for p in ignore):
             continue
         va, vb = a.get(k, missing), b.get(k, missing)
         if va is missing and ABSENT_MEANS.get(k, missing) == vb:

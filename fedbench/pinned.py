@@ -275,23 +275,11 @@ def command_differences(cell: Cell, today=None) -> list[str]:
     task config, where the caller has it already (a Hydra compose costs about a second)."""
     from omegaconf import OmegaConf
 
-    from fedbench.runner import ABSENT_MEANS
-    from fedbench.trees import flat_items, plain
+    from fedbench.checkpoint import config_differences
+    from fedbench.trees import plain
 
-    now = flat_items(plain(_today(cell) if today is None else today))
-    saved = flat_items(plain(OmegaConf.create(cell.config)))
-    missing = object()
-    out = []
-    for k in sorted(set(now) | set(saved)):
-        if any(k == p or k.startswith(p + ".") for p in INCIDENTAL):
-            continue
-        a, b = saved.get(k, missing), now.get(k, missing)
-        if a is missing and ABSENT_MEANS.get(k, missing) == b:
-            continue
-        if a != b:
-            show = lambda v: "absent" if v is missing else repr(v)  # noqa: E731
-            out.append(f"{k} ({show(a)} -> {show(b)})")
-    return out
+    now = plain(_today(cell) if today is None else today)
+    return config_differences(plain(OmegaConf.create(cell.config)), now, INCIDENTAL)
 
 
 def rerun(
