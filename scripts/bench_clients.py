@@ -66,8 +66,9 @@ def child(args: argparse.Namespace) -> None:
     from fedbench.runner import Run
     from fedbench.tune import compose_run
 
-    cap = int(args.max_gb * 2**30)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    if args.max_gb > 0:  # CUDA reserves far more address space than it uses: 0 sets no cap there
+        cap = int(args.max_gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     ckpt: list[int] = []
     original = Run._checkpoint
 
@@ -112,7 +113,9 @@ def main() -> None:
     ap.add_argument("--algos", nargs="+", default=list(ALGOS))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--per-round", type=int, default=20, help="clients sampled per round")
-    ap.add_argument("--max-gb", type=float, default=6.0, help="address-space cap per child")
+    ap.add_argument(
+        "--max-gb", type=float, default=6.0, help="address-space cap per child (0: none, for CUDA)"
+    )
     ap.add_argument("--tmp", default=tempfile.gettempdir(), help="where the run dirs go")
     ap.add_argument("--set", action="append", default=[], help="an extra config override")
     ap.add_argument("--json", action="store_true")
