@@ -179,6 +179,27 @@ def base_columns(sub, base, prefix: str, device=None) -> torch.Tensor:
     return torch.cat(cols).to(device)
 
 
+def argmin_lowest(values: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:
+    """argmin over the last dimension, a near-tie going to the lowest index ([...]).
+
+    Values within `rel_tol` of the row's minimum count as tied: the same model evaluated twice
+    in one batched call can differ in its last bits on a GPU (its kernels sum in other orders
+    than the CPU's), and a tie rule must not depend on those bits."""
+    m = values.min(-1, keepdim=True).values
+    near = values <= m + rel_tol * m.abs()
+    idx = torch.arange(values.shape[-1], device=values.device).expand_as(values)
+    return torch.where(near, idx, values.shape[-1]).min(-1).values
+
+
+def topk_lowest_index(values: torch.Tensor, k: int, largest: bool = True) -> torch.Tensor:
+    """Indices of the k largest (smallest) entries of a 1-D tensor, ties to the lowest index.
+
+    `torch.topk` leaves the order of tied entries to the kernel: the CPU and CUDA pick
+    different entries among equal values, so a selection over exact ties (gradients of 0)
+    would make a GPU run differ from a CPU run by a whole choice. A stable sort fixes it."""
+    return torch.sort(values, descending=largest, stable=True).indices[:k]
+
+
 def keyed_generator(*key: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator seeded from `key` alone (`keyed_generator(seed, t, i, SALT)`): the same
     key draws the same numbers in any run, on resume too, with nothing to checkpoint. Give

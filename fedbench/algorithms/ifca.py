@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from fedbench.algorithms._about import About
-from fedbench.algorithms._shared import state_entries
+from fedbench.algorithms._shared import argmin_lowest, state_entries
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, hp
 from fedbench.errors import ConfigError
@@ -123,8 +123,9 @@ class IFCA(Algorithm):
         return (sums / sizes.clamp_min(1)).T
 
     def identities(self, clients) -> torch.Tensor:
-        """[C]: j_i = argmin_j F_i(theta_j) (torch.argmin: the lowest index on a tie)."""
-        return self.train_losses(clients).argmin(1)
+        """[C]: j_i = argmin_j F_i(theta_j), a tie (within 1e-6 relative: equal models can
+        differ in the last bits on a GPU) going to the lowest index."""
+        return argmin_lowest(self.train_losses(clients))
 
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
         clients = np.asarray(clients)
