@@ -164,6 +164,20 @@ def test_fedspa_masks_keep_their_density():
 
 
 @pytest.mark.quick
+def test_fedspa_selections_break_ties_by_the_lowest_index():
+    """Prune-and-grow selects among exact ties (weights of always-blank pixels have a gradient
+    of exactly 0): the lowest indices win, on any device, where topk's order is the kernel's."""
+    from fedbench.algorithms._shared import topk_lowest_index
+
+    g = torch.tensor([0.0, 3.0, 0.0, 0.0, 2.0, 0.0, 3.0])
+    assert topk_lowest_index(g, 3).tolist() == [1, 6, 4]
+    assert topk_lowest_index(g, 4).tolist() == [1, 6, 4, 0]  # the first of the tied zeros
+    assert topk_lowest_index(g, 3, largest=False).tolist() == [0, 2, 3]
+    for k in range(1, 8):  # the same values as topk's selection
+        assert sorted(g[topk_lowest_index(g, k)].tolist()) == sorted(g.topk(k).values.tolist())
+
+
+@pytest.mark.quick
 def test_fedspa_prune_grow_changes_only_the_next_mask():
     """The server averages the states as trained, each entry over exactly the clients whose
     TRAINED mask held it; prune-and-grow changes the mask for the next round only, so a

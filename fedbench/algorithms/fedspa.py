@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._about import About
+from fedbench.algorithms._shared import topk_lowest_index
 from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import fraction, hp
@@ -97,12 +98,12 @@ class FedSpa(Algorithm):
             k = min(k, int((~mi).sum()))
             if k == 0:
                 continue
-            drop = (
-                torch.where(mi, wi.abs(), torch.full_like(wi, float("inf")))
-                .topk(k, largest=False)
-                .indices
+            # ties (FMNIST's always-blank border pixels give weights a gradient of exactly 0)
+            # go to the lowest index: topk breaks them one way on the CPU, another on CUDA
+            drop = topk_lowest_index(
+                torch.where(mi, wi.abs(), torch.full_like(wi, float("inf"))), k, largest=False
             )
-            grow = torch.where(~mi, gi.abs(), torch.full_like(gi, -1.0)).topk(k).indices
+            grow = topk_lowest_index(torch.where(~mi, gi.abs(), torch.full_like(gi, -1.0)), k)
             mi[drop] = False
             mi[grow] = True
 
