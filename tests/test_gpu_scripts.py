@@ -41,6 +41,34 @@ def test_a_run_agrees_within_the_stated_tolerance_and_not_beyond():
         assert d[key] == pytest.approx(2 * getattr(tol, key))
 
 
+def test_a_runs_measured_sensitivity_widens_its_tolerance_and_no_further():
+    """A reference run that moved by 1e-3 of its norm when its initial weights were perturbed
+    by 1e-6 (a discrete choice flipped on a near-tie) allows 3x that; other runs keep TOL."""
+    ref = record()
+    ref["sensitivity"] = {"loss_rel": 1e-7, "state_rel": 1e-3, "acc_abs": 0.0}
+    within = record(proj=3.0 + 2.5e-3 * 10.0)  # 2.5e-3 of the norm: over TOL, under 3e-3
+    status, note, _ = gpu_check.compare("fedcac", within, ref)
+    assert status == "pass" and "tolerance from its sensitivity: state_rel 0.003" in note
+    beyond = record(proj=3.0 + 3.5e-3 * 10.0)
+    assert gpu_check.compare("fedcac", beyond, ref)[0] == "fail"
+    del ref["sensitivity"]
+    assert gpu_check.compare("fedcac", within, ref)[0] == "fail"
+
+
+def test_the_perturbation_moves_every_initialization_by_rounding_size_only():
+    import torch
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(20, 30).weight.detach().clone()
+    with gpu_check.perturbed_init(1e-6):
+        torch.manual_seed(0)
+        moved = torch.nn.Linear(20, 30).weight.detach()
+    rel = ((moved - plain).abs() / plain.abs().clamp_min(1e-12)).max()
+    assert 0 < rel < 1e-5
+    torch.manual_seed(0)
+    assert torch.equal(torch.nn.Linear(20, 30).weight, plain)  # restored
+
+
 def test_errors_missing_entries_and_device_random_streams():
     ref = record()
     refused = {"status": "error", "error": "ConfigError: algo.x must be > 0"}
