@@ -85,6 +85,7 @@ def directions(P: int, angle_cos: float, noise: float = 0.05, norm: float = 2.0,
 def with_updates(algo, monkeypatch, delta: torch.Tensor):
     """Clients' training replaced by ref + the constructed update (parameters only)."""
     P = algo.engine.n_params
+    delta = delta.to(algo.device)
 
     def fake(states, clients, t, **kw):
         out = states.clone()
@@ -107,20 +108,21 @@ def test_opposite_groups_split_exactly_into_those_groups(linkage, monkeypatch):
     B; each half then aggregates its own members' updates from the parent's model."""
     algo, eng, fed = cfl6([f"algo.linkage={linkage}"])
     P = eng.n_params
-    delta = directions(P, -1.0)
+    delta = directions(P, -1.0).to(algo.device)
     with_updates(algo, monkeypatch, delta)
     theta = algo.models[0].clone()
     info = algo.round(0, np.arange(6))
     assert algo.models.shape[0] == 2 and info.diagnostics["clusters"] == 2
     assert algo.assign[A].tolist() == [0, 0, 0] and algo.assign[B].tolist() == [1, 1, 1]
+    sizes = fed.train_sizes.to(algo.device)  # the federation keeps them on the CPU
     for c, rows in ((0, A), (1, B)):
-        w = fed.train_sizes[rows] / fed.train_sizes[rows].sum()
+        w = sizes[rows] / sizes[rows].sum()
         want = theta.clone()
         want[:P] += (w[:, None] * delta[rows]).sum(0)
         torch.testing.assert_close(algo.models[c], want)
         for i in rows:  # each client deploys its cluster's model
             assert torch.equal(algo.personal_state(i), algo.models[c])
-    mean = (fed.train_sizes / fed.train_sizes.sum()) @ delta
+    mean = (sizes / sizes.sum()) @ delta
     assert info.diagnostics["mean_update_norm"] == pytest.approx(float(mean.norm()), rel=1e-5)
     assert info.diagnostics["max_update_norm"] == pytest.approx(float(delta.norm(dim=1).max()))
 
@@ -141,13 +143,14 @@ def test_no_split_without_the_criteria(extra, angle, norm, t, monkeypatch):
     certificate) stays one cluster, its model the weighted mean of the updates."""
     algo, eng, fed = cfl6(extra)
     P = eng.n_params
-    delta = directions(P, angle, norm=norm)
+    delta = directions(P, angle, norm=norm).to(algo.device)
     with_updates(algo, monkeypatch, delta)
     theta = algo.models[0].clone()
     algo.round(t, np.arange(6))
     assert algo.models.shape[0] == 1 and not algo.assign.any()
     want = theta.clone()
-    want[:P] += (fed.train_sizes / fed.train_sizes.sum()) @ delta
+    sizes = fed.train_sizes.to(algo.device)  # the federation keeps them on the CPU
+    want[:P] += (sizes / sizes.sum()) @ delta
     torch.testing.assert_close(algo.models[0], want)
 
 
@@ -186,7 +189,7 @@ def test_round_by_hand(weighting):
     theta = algo.models[0].clone()
     want = eng.train(theta.repeat(2, 1), clients, optim=algo.optim, round=0,
                      lr=algo.optim.lr_at(0), epochs=1, batch_size=8).states  # fmt: skip
-    n = fed.train_sizes[clients] if weighting == "samples" else torch.ones(2)
+    n = (fed.train_sizes[clients] if weighting == "samples" else torch.ones(2)).to(algo.device)
     info = algo.round(0, clients)
     torch.testing.assert_close(
         algo.models[0], theta + (n[:, None] / n.sum() * (want - theta)).sum(0)

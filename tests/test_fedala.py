@@ -22,7 +22,7 @@ def apart(algo, eng, scale: float = 0.3) -> None:
     """Every client's local model θ_i at a random distance from the global Θ."""
     g = torch.Generator().manual_seed(1)
     P = eng.n_params
-    algo.theta[:, :P] += scale * torch.randn(algo.N, P, generator=g)
+    algo.theta[:, :P] += scale * torch.randn(algo.N, P, generator=g).to(algo.device)
 
 
 def replay(forward, weights, theta, glob, top, batches, eta, epochs=None, rule=None):
@@ -49,12 +49,13 @@ def test_ala_step_against_autograd_of_the_direct_loss(p):
     assert top.numel() == expected_k
     g = torch.Generator().manual_seed(0)
     glob = algo.w[:P]
-    theta = glob + 0.5 * torch.randn(P, generator=g)
-    W = torch.rand(top.numel(), generator=g)
+    # drawn on the CPU (the same values on any device), used on the algorithm's
+    theta = glob + 0.5 * torch.randn(P, generator=g).to(algo.device)
+    W = torch.rand(top.numel(), generator=g).to(algo.device)
     x, y = fed.batch(fed.train_idx[0][:16])
     eta = 30.0
 
-    full = torch.ones(P)
+    full = torch.ones(P, device=algo.device)
     full[top] = W
     full.requires_grad_(True)
     loss = F.cross_entropy(eng.functional_logits(theta + (glob - theta) * full, x), y)
@@ -67,7 +68,7 @@ def test_ala_step_against_autograd_of_the_direct_loss(p):
     assert (got == 0).any() and (got == 1).any() and ((got > 0) & (got < 1)).any()
 
     mixed = aggregate(got, theta, glob, top)
-    lower = torch.ones(P, dtype=torch.bool)
+    lower = torch.ones(P, dtype=torch.bool, device=algo.device)
     lower[top] = False
     assert lower.sum() == P - expected_k
     assert torch.equal(mixed[lower], glob[lower])
@@ -105,7 +106,15 @@ def test_start_phase_runs_until_the_rule_then_one_epoch_per_round():
 
     fwd = eng.functional_logits
     want, losses = replay(
-        fwd, torch.ones(top.numel()), theta, glob, top, batches, hp.eta, None, rule
+        fwd,
+        torch.ones(top.numel(), device=algo.device),
+        theta,
+        glob,
+        top,
+        batches,
+        hp.eta,
+        None,
+        rule,
     )
     assert started and epochs == len(losses) > hp.num_pre_loss + 1  # not the shortest stop
     assert not any(rule(losses[:e]) for e in range(1, epochs))
@@ -152,7 +161,7 @@ def test_round_by_hand():
     torch.testing.assert_close(algo.theta[:2], want0)
     assert info.diagnostics["ala_epochs"] == 0
     assert not algo.started.any() and bool((algo.ala_weights == 1).all())
-    n = fed.train_sizes[:2]
+    n = fed.train_sizes[:2].to(algo.device)  # the federation keeps the sizes on the CPU
     torch.testing.assert_close(algo.w, (n[:, None] / n.sum() * want0).sum(0))
     assert torch.equal(algo.theta[2], theta0)  # never sampled: Θ^0
 
@@ -165,7 +174,7 @@ def test_round_by_hand():
                      epochs=1, batch_size=8).states  # fmt: skip
     info = algo.round(1, clients)
     torch.testing.assert_close(algo.theta[clients], want)
-    n = fed.train_sizes[clients]
+    n = fed.train_sizes[clients].to(algo.device)
     torch.testing.assert_close(algo.w, (n[:, None] / n.sum() * want).sum(0))
     for k, c in enumerate(clients):
         torch.testing.assert_close(algo.ala_weights[c], alas[k][1])

@@ -57,8 +57,9 @@ def hand_logits(p, model, x, ctx, tau, noise=None):
 
 
 def randomize(state: torch.Tensor, seed: int) -> torch.Tensor:
+    """`state` plus noise drawn on the CPU (the same values on any device)."""
     g = torch.Generator().manual_seed(seed)
-    return state + 0.3 * torch.randn(state.shape, generator=g)
+    return state + 0.3 * torch.randn(state.shape, generator=g).to(state.device)
 
 
 @pytest.mark.quick
@@ -70,7 +71,7 @@ def test_policy_and_heads_by_hand(tau):
     algo, _, fed = make_algo("fedcp", [f"algo.tau={tau}"])
     tr = algo.trainer
     state = randomize(algo.personal_state(0), 0)
-    model = tr.to_module(state, CPModel(algo.model_fn(), tau)).eval()
+    model = tr.to_module(state, CPModel(algo.model_fn(), tau).to(algo.device)).eval()
     p = views(tr.spec, state)
     Wp = p["phead.weight"].detach()
     ctx = Wp.sum(0) / Wp.sum(0).norm()
@@ -83,11 +84,16 @@ def test_policy_and_heads_by_hand(tau):
         got_s = model.policy(model.body(x), ctx)
     torch.testing.assert_close(got_s, s.detach())
     assert ((got_s > 0) & (got_s < 1)).all()
-    # training: Gumbel noise from the generator, -log of Exp(1) draws
-    noise = torch.empty(9, 2, 8).exponential_(generator=torch.Generator().manual_seed(5))
+    # training: Gumbel noise from the generator, -log of Exp(1) draws; the module draws on
+    # the data's device with a generator of that device (as the algorithm's), so the hand
+    # draw uses the same seeded stream there
+    dev = x.device
+    noise = torch.empty(9, 2, 8, device=dev).exponential_(
+        generator=torch.Generator(device=dev).manual_seed(5)
+    )
     want, _, _ = hand_logits(p, model, x, ctx, tau, noise)
     with torch.no_grad():
-        got = model.mix(model.body(x), ctx, torch.Generator().manual_seed(5))
+        got = model.mix(model.body(x), ctx, torch.Generator(device=dev).manual_seed(5))
     torch.testing.assert_close(got, want)
 
 
@@ -137,7 +143,7 @@ def test_round_by_hand(head_upload):
     algo.phead = randomize(algo.phead, 2)
     w0, heads0 = algo.w.clone(), algo.phead.clone()
     clients = np.array([0, 2])
-    model = CPModel(algo.model_fn(), 1.0)
+    model = CPModel(algo.model_fn(), 1.0).to(algo.device)
     trained = {}
     for i in clients:
         start = w0.clone()
@@ -158,7 +164,7 @@ def test_round_by_hand(head_upload):
         trained[int(i)] = p
     info = algo.round(0, clients)
 
-    n = fed.train_sizes[clients]
+    n = fed.train_sizes[clients].to(algo.device)  # the federation keeps the sizes on the CPU
     wts = n / n.sum()
 
     def mean(name):
@@ -206,7 +212,10 @@ def test_gumbel_noise_is_per_client_and_changes_training():
     assert not torch.allclose(b.phead[2], c.phead[2])
     g1 = a.generators(3, [1, 2])
     g2 = a.generators(3, [2])
-    assert torch.equal(torch.rand(4, generator=g1[1]), torch.rand(4, generator=g2[0]))
+    dev = g1[1].device  # the algorithm's generators live on its device: draw there
+    assert torch.equal(
+        torch.rand(4, generator=g1[1], device=dev), torch.rand(4, generator=g2[0], device=dev)
+    )
 
 
 @pytest.mark.quick
@@ -229,10 +238,10 @@ def test_a2_scales_every_upload():
     frozen = torch.cat([algo.head_cols, algo.gbody_cols])  # W^hd and W^fe: no step in training
     assert torch.equal(want.states[:, frozen], start[:, frozen])
     algo.attack = Attack("a2", 0.5, 3, seed=0)
-    bad = torch.as_tensor(algo.attack.malicious)
+    bad = torch.as_tensor(algo.attack.malicious, device=algo.device)
     assert bad.any() and not bad.all()
     algo.round(0, clients)
-    wts = fed.train_sizes / fed.train_sizes.sum()
+    wts = (fed.train_sizes / fed.train_sizes.sum()).to(algo.device)
     P = eng.n_params
     sent = want.states.clone()
     sent[:, algo.head_cols] = want.states[:, algo.phead_cols]  # U_i = W_i^hd

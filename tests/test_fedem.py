@@ -50,8 +50,8 @@ def test_round_by_hand(weighting, aggregate):
     the others' unchanged."""
     over = ["batch_size=64", f"algo.weighting={weighting}", f"algo.aggregate={aggregate}"]
     algo, eng, fed = make_algo("fedem", over)
-    g = torch.Generator().manual_seed(2)
-    algo.pi = torch.softmax(torch.randn(3, 3, generator=g), dim=1)
+    g = torch.Generator().manual_seed(2)  # drawn on the CPU: the same pi on any device
+    algo.pi = torch.softmax(torch.randn(3, 3, generator=g), dim=1).to(algo.device)
     pi0, comps0 = algo.pi.clone(), algo.components.clone()
     assert not torch.equal(comps0[0], comps0[1])  # independent initializations
     P, lr = eng.n_params, 0.1
@@ -75,7 +75,7 @@ def test_round_by_hand(weighting, aggregate):
             rows.append(comps0[m, :P] - lr * grad)
         trained.append(torch.stack(rows))
     trained = torch.stack(trained)  # [C, M, P]
-    n_all = fed.train_sizes if weighting == "samples" else torch.ones(3)
+    n_all = (fed.train_sizes if weighting == "samples" else torch.ones(3)).to(algo.device)
     n = n_all[clients]
     want = (n[:, None, None] / n.sum() * trained).sum(0)
     if aggregate == "all":  # client 1 contributes the broadcast components, weight n_1 / n
@@ -94,7 +94,7 @@ def test_mixture_prediction():
     mixture as a module (log-probabilities)."""
     algo, eng, fed = make_algo("fedem")
     algo.round(0, np.arange(3))
-    algo.pi[1] = torch.tensor([0.7, 0.1, 0.2])
+    algo.pi[1] = torch.tensor([0.7, 0.1, 0.2], device=algo.device)
     P = eng.n_params
     idx = torch.cat(fed.test_idx)
     x, y = fed.x[idx], fed.y[idx]
@@ -116,10 +116,10 @@ def test_one_component_is_fedavg():
     w0 = algo.components[0].clone()
     clients = np.array([0, 1, 2])
     plain = eng.train(w0, clients, optim=algo.optim, lr=0.1, batch_size=8, epochs=2).states
-    n = fed.train_sizes
+    n = fed.train_sizes.to(algo.device)  # the federation keeps the sizes on the CPU
     algo.round(0, clients)
     torch.testing.assert_close(algo.components[0], (n[:, None] / n.sum() * plain).sum(0))
-    assert torch.equal(algo.pi, torch.ones(3, 1))
+    assert torch.equal(algo.pi, torch.ones(3, 1, device=algo.device))
 
 
 @pytest.mark.slow

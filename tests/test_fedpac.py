@@ -22,7 +22,7 @@ from fedbench.algorithms.fedpac import (
 
 def features_of(algo, state, idx):
     """f(x) of every sample in `idx` and its labels, one sample at a time (eval mode)."""
-    m = algo.engine.to_module(state, algo.model_fn()).eval()
+    m = algo.engine.to_module(state, algo.model_fn().to(state.device)).eval()
     x, y = algo.fed.batch(idx, train=False)
     with torch.no_grad():
         return torch.stack([m.features(x[b : b + 1])[0] for b in range(len(y))]), y
@@ -58,11 +58,12 @@ def test_statistics_and_centroids_by_hand():
     algo, eng, fed = make_algo("fedpac")
     state = algo.states_of([1])[0] + 0.1 * torch.randn(
         eng.n_state, generator=torch.Generator().manual_seed(1)
-    )
+    ).to(algo.device)  # drawn on the CPU: the same values on any device
     idx = fed.train_idx[1]
     feats, y = features_of(algo, state, idx)
     n, K, d = len(y), fed.num_classes, feats.shape[1]
-    h_want, v_want, means_want = torch.zeros(K, d), 0.0, torch.zeros(K, d)
+    dev = feats.device
+    h_want, v_want, means_want = torch.zeros(K, d, device=dev), 0.0, torch.zeros(K, d, device=dev)
     for k in range(K):
         fk = feats[y == k]
         if len(fk) == 0:
@@ -133,10 +134,11 @@ def test_alignment_gradient_against_autograd():
     """d/df of lam (1/(B d)) sum_b ||f_b - c_{y_b}||^2 is 2 lam (f - c_y) / (B d); the whole
     loss's parameter gradient equals autograd of CE + that term written out."""
     algo, eng, fed = make_algo("fedpac")
-    model = algo.engine.to_module(algo.theta, algo.model_fn())
+    model = algo.engine.to_module(algo.theta, algo.model_fn().to(algo.device))
     x, y = fed.batch(fed.train_idx[0][:16])
     K, d, lam = fed.num_classes, model.feature_dim, 0.7
-    targets = torch.randn(2, K, d, generator=torch.Generator().manual_seed(2))
+    g = torch.Generator().manual_seed(2)  # drawn on the CPU: the same values on any device
+    targets = torch.randn(2, K, d, generator=g).to(algo.device)
     f = model.features(x).detach().requires_grad_(True)
     reg = alignment_loss(model, x, y, 1, targets, lam) - F.cross_entropy(model(x), y)
     # gradient through f only: recompute the term on the leaf f
@@ -161,7 +163,7 @@ def ce(model, x, y):
 def sgd_step_by_hand(algo, state, client, loss_fn, mask, lr):
     """One full-batch SGD step of loss_fn(model, x, y) on the parameters where `mask`."""
     eng = algo.engine
-    model = eng.to_module(state, algo.model_fn()).train()
+    model = eng.to_module(state, algo.model_fn().to(state.device)).train()
     x, y = algo.fed.batch(algo.fed.train_idx[client])
     grads = torch.autograd.grad(loss_fn(model, x, y), list(model.parameters()))
     g = torch.cat([gr.reshape(-1) for gr in grads])
@@ -183,11 +185,12 @@ def test_round_by_hand(head_lr):
         f"algo.head_lr={'null' if head_lr is None else head_lr}",
     ]
     algo, eng, fed = make_algo("fedpac", extra)
-    gen = torch.Generator().manual_seed(4)
-    algo.heads += 0.3 * torch.randn(algo.heads.shape, generator=gen)
+    gen = torch.Generator().manual_seed(4)  # drawn on the CPU: the same values on any device
+    dev = algo.device
+    algo.heads += 0.3 * torch.randn(algo.heads.shape, generator=gen).to(dev)
     d, K = eng.model.feature_dim, fed.num_classes
-    algo.centroids = torch.rand(K, d, generator=gen)
-    algo.has_centroid = torch.tensor([True, False, True])
+    algo.centroids = torch.rand(K, d, generator=gen).to(dev)
+    algo.has_centroid = torch.tensor([True, False, True], device=dev)
     clients = np.array([0, 1, 2])
     start = algo.states_of(clients)
     head_mask = algo.head_mask.float()
@@ -213,18 +216,18 @@ def test_round_by_hand(head_lr):
         feats, y = features_of(algo, s, fed.train_idx[c])
         local.append(torch.stack([feats[y == k].mean(0) for k in range(K)]))
     trained, local = torch.stack(trained), torch.stack(local)
-    n = fed.train_sizes
+    n = fed.train_sizes.to(dev)  # the federation keeps the sizes on the CPU
     counts = torch.stack([torch.bincount(fed.y[fed.train_idx[c]], minlength=K) for c in clients])
     theta = (n[:, None] / n.sum() * trained).sum(0)
     cents = (counts[:, :, None] * local).sum(0) / counts.sum(0)[:, None]
-    h = torch.stack(hs).double().numpy()
-    v = torch.stack(vs).double().numpy()
+    h = torch.stack(hs).double().cpu().numpy()
+    v = torch.stack(vs).double().cpu().numpy()
     heads = trained[:, algo.head_entries]
     want_heads = []
     for i in range(3):
         ref = slsqp(h, v, i)
         a = np.where(ref > 1e-3, ref, 0)
-        want_heads.append(torch.tensor(a / a.sum(), dtype=torch.float32) @ heads)
+        want_heads.append(torch.tensor(a / a.sum(), dtype=torch.float32, device=dev) @ heads)
     info = algo.round(1, clients)
     body = ~algo.head_entries
     torch.testing.assert_close(algo.theta[body], theta[body], rtol=1e-4, atol=1e-5)
@@ -253,7 +256,7 @@ def test_round_zero_is_plain_ce_and_collaborate_false_keeps_own_heads():
     info = algo.round(0, clients)
     torch.testing.assert_close(algo.heads[clients], body.states[:, algo.head_entries])
     assert torch.equal(algo.heads[1], before[1])
-    w = fed.train_sizes[clients] / fed.train_sizes[clients].sum()
+    w = (fed.train_sizes[clients] / fed.train_sizes[clients].sum()).to(algo.device)
     want = (w[:, None] * body.states).sum(0)
     torch.testing.assert_close(algo.theta[~algo.head_entries], want[~algo.head_entries])
     assert info.diagnostics["qp_fallbacks"] == 0
@@ -298,12 +301,13 @@ def test_a2_scales_the_uploaded_state():
     clients = np.arange(3)
     start = algo.states_of(clients)
     head = algo.head_phase(start, clients, 0)
-    want = algo.body_phase(head.states, clients, 0, torch.zeros(3, 3, 8)).states
+    no_targets = torch.zeros(3, 3, 8, device=algo.device)
+    want = algo.body_phase(head.states, clients, 0, no_targets).states
     algo.attack = Attack("a2", 0.5, 3, seed=0)
-    bad = torch.as_tensor(algo.attack.malicious)
+    bad = torch.as_tensor(algo.attack.malicious, device=algo.device)
     algo.round(0, clients)
     sent = torch.where(bad[:, None], 100 * (want - start) + start, want)
-    w = fed.train_sizes / fed.train_sizes.sum()
+    w = (fed.train_sizes / fed.train_sizes.sum()).to(algo.device)
     body = ~algo.head_entries
     torch.testing.assert_close(algo.theta[body], (w[:, None] * sent).sum(0)[body])
     torch.testing.assert_close(algo.heads, want[:, algo.head_entries])  # heads stay home

@@ -329,7 +329,8 @@ def _expected_round(algo, eng, t, clients, hist_rows=None):
     Q = G if gF is None else torch.cat([G, gF[None]])
     d, _ = fedpg.min_norm_direction(Q)
     d, _ = fedpg.rescale(d, Q, float(gh.mean(0).norm()))
-    r = fedpg.personal_coeffs(d, G, len(clients))
+    # personal_coeffs returns a CPU tensor (from numpy); the round moves r to its device too
+    r = fedpg.personal_coeffs(d, G, len(clients)).to(d.device)
     p = fedpg.personal_directions(d, gh, fedpg.apply_gamma(r, algo.hp.gamma, algo.hp.gamma_mode))
     eta = algo.optim.lr_at(t)
     return w - eta * d, w[None] - eta * p, res.grads / res.grads.norm(dim=1, keepdim=True)

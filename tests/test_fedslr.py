@@ -237,7 +237,7 @@ def test_phase2_one_batch_by_hand():
     eng.batches = lambda *a, **kw: iter([(x, y)])  # one batch
     base = algo.theta.clone()
     p = algo.p[0].clone()
-    model = algo.model_fn()
+    model = algo.model_fn().to(algo.device)
     state = base.clone()
     state[:P] += p
     eng.spec.load_into(model, state)

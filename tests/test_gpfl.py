@@ -57,13 +57,14 @@ def test_objective_by_hand():
     and the conditional inputs constants, the mu term's gradient mu theta on CoV and W only."""
     algo, eng, fed = make_algo("gpfl", ["algo.lam=0.3", "algo.mu=0.2"])
     model = algo.trainer.model
-    g = torch.Generator().manual_seed(4)
+    g = torch.Generator().manual_seed(4)  # drawn on the CPU: the same values on any device
+    dev = algo.device
     row = algo.rows([1])[0].clone()
-    row[algo.p_idx] = torch.randn(len(algo.p_idx), generator=g)
-    row[algo.g_idx] = torch.randn(len(algo.g_idx), generator=g)
+    row[algo.p_idx] = torch.randn(len(algo.p_idx), generator=g).to(dev)
+    row[algo.g_idx] = torch.randn(len(algo.g_idx), generator=g).to(dev)
     algo.trainer.load(row)
     x, y = fed.x[:7], fed.y[:7]
-    frozen = torch.randn(algo.table_shape, generator=g)
+    frozen = torch.randn(algo.table_shape, generator=g).to(dev)
     kw = dict(frozen=frozen, lam=0.3, mu=0.2, magnitude="sample")
     loss = gpfl_objective(model, x, y, 0, **kw)
 
@@ -72,10 +73,11 @@ def test_objective_by_hand():
         f_p = torch.stack([cov_by_hand(model.cov, fb, model.cond_p) for fb in f])
         f_g = torch.stack([cov_by_hand(model.cov, fb, model.cond_g) for fb in f])
         logits = f_p @ model.head.weight.T + model.head.bias
-        ce = (torch.logsumexp(logits, 1) - logits[torch.arange(7), y]).mean()
+        rows = torch.arange(7, device=dev)
+        ce = (torch.logsumexp(logits, 1) - logits[rows, y]).mean()
         W = model.gce.weight
         cos = F.normalize(f_g) @ F.normalize(W).T
-        alg = (torch.logsumexp(cos, 1) - cos[torch.arange(7), y]).mean()
+        alg = (torch.logsumexp(cos, 1) - cos[rows, y]).mean()
         mlg = (f_g - frozen[y]).norm(dim=1).mean()
         sq = sum(p.pow(2).sum() for p in model.cov.parameters()) + W.pow(2).sum()
         want = ce + alg + 0.3 * mlg + 0.1 * sq
@@ -96,7 +98,7 @@ def replay(algo, client: int, row: torch.Tensor, frozen: torch.Tensor) -> torch.
     from fedbench.algorithms.gpfl import GPFLModel
 
     tr = algo.trainer
-    model = tr.to_module(row, GPFLModel(algo.model_fn(), algo.fed.num_classes))
+    model = tr.to_module(row, GPFLModel(algo.model_fn(), algo.fed.num_classes).to(row.device))
     params = dict(model.named_parameters())
     lam, mu, lr = algo.hp.lam, algo.hp.mu, algo.optim.lr
     for x, y in tr.batches(client, 8, epochs=1, round=0):
@@ -122,10 +124,11 @@ def round_by_hand(conditional: str):
     algo, eng, fed = make_algo(
         "gpfl", ["algo.lam=0.5", "algo.mu=0.1", f"algo.conditional={conditional}"]
     )
-    g = torch.Generator().manual_seed(2)
-    algo.cond_p = torch.randn(algo.cond_p.shape, generator=g)
-    algo.cond_g = torch.randn(algo.cond_g.shape, generator=g)
-    algo.heads = algo.heads + 0.1 * torch.randn(algo.heads.shape, generator=g)
+    g = torch.Generator().manual_seed(2)  # drawn on the CPU: the same values on any device
+    dev = algo.device
+    algo.cond_p = torch.randn(algo.cond_p.shape, generator=g).to(dev)
+    algo.cond_g = torch.randn(algo.cond_g.shape, generator=g).to(dev)
+    algo.heads = algo.heads + 0.1 * torch.randn(algo.heads.shape, generator=g).to(dev)
     w0, ext0, heads0 = algo.w.clone(), algo.ext.clone(), algo.heads.clone()
     W0 = algo.table(ext0)
     start = algo.rows(np.arange(3))
@@ -134,7 +137,7 @@ def round_by_hand(conditional: str):
     trained = torch.stack([replay(algo, int(i), start[int(i)], W0) for i in clients])
     info = algo.round(0, clients)
 
-    n = fed.train_sizes[clients]
+    n = fed.train_sizes[clients].to(dev)  # the federation keeps the sizes on the CPU
     avg = (n[:, None] / n.sum() * trained).sum(0)
     body = ~algo.run_head
     torch.testing.assert_close(algo.w[body], avg[algo.run_idx][body])
@@ -168,7 +171,7 @@ def test_round_by_hand():
         torch.testing.assert_close(algo.cond_g[i], sum(W1[u] for u in range(U)) / U)
 
     deployed = algo.personal_state(1)  # latest phi and CoV, own head and p_1
-    model = algo.personal_model(1)
+    model = algo.personal_model(1).to(algo.device)  # built on the CPU by model_fn
     x = fed.x[fed.test_idx[1]]
     f = model.body(x)
     logits = model.head(torch.stack([cov_by_hand(model.cov, fb, algo.cond_p[1]) for fb in f]))
@@ -220,10 +223,10 @@ def test_a2_scales_both_uploads():
             magnitude=algo.hp.magnitude),
     )  # fmt: skip
     algo.attack = Attack("a2", 0.5, 3, seed=0)
-    bad = torch.as_tensor(algo.attack.malicious)
+    bad = torch.as_tensor(algo.attack.malicious, device=algo.device)
     assert 0 < int(bad.sum()) < 3
     algo.round(0, clients)
-    wts = (fed.train_sizes / fed.train_sizes.sum())[:, None]
+    wts = (fed.train_sizes / fed.train_sizes.sum())[:, None].to(algo.device)
     P = eng.n_params
     up = res.states[:, algo.run_idx]
     sent = torch.where(bad[:, None], 100 * (up - w0) + w0, up)

@@ -16,9 +16,9 @@ from conftest import crash_and_resume, make_algo, run_small
 def direct_losses(algo, eng, fed) -> torch.Tensor:
     """[N, k]: each client's mean cross-entropy over its training set, each model loaded
     into a fresh module (evaluation mode)."""
-    out = torch.zeros(fed.num_clients, algo.hp.k)
+    out = torch.zeros(fed.num_clients, algo.hp.k, device=algo.device)
     for j in range(algo.hp.k):
-        model = eng.to_module(algo.models[j], algo.model_fn()).eval()
+        model = eng.to_module(algo.models[j], algo.model_fn().to(algo.device)).eval()
         for i in range(fed.num_clients):
             x, y = fed.batch(fed.train_idx[i], train=False)
             with torch.no_grad():
@@ -28,9 +28,9 @@ def direct_losses(algo, eng, fed) -> torch.Tensor:
 
 def spread(algo, scale: float = 0.5, seed: int = 1) -> None:
     """Push the k models apart (so the clients' choices differ and no loss is near a tie)."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same values on any device
     P = algo.engine.n_params
-    algo.models[:, :P] += scale * torch.randn(algo.models.shape[0], P, generator=g)
+    algo.models[:, :P] += scale * torch.randn(algo.models.shape[0], P, generator=g).to(algo.device)
 
 
 def ifca3(extra=()):
@@ -101,7 +101,8 @@ def test_round_by_hand(weighting):
         if len(rows) == 0:
             assert torch.equal(algo.models[j], before[j])
             continue
-        n = fed.train_sizes[rows] if weighting == "samples" else torch.ones(len(rows))
+        sizes = fed.train_sizes.to(algo.device)  # the federation keeps them on the CPU
+        n = sizes[rows] if weighting == "samples" else torch.ones(len(rows), device=algo.device)
         torch.testing.assert_close(algo.models[j], (n[:, None] / n.sum() * want[rows]).sum(0))
     assert info.diagnostics["clusters_chosen"] == len(set(chosen.tolist()))
     D = eng.n_state
@@ -115,13 +116,13 @@ def test_weight_sharing_round_by_hand():
     mean over all sampled clients, each head the mean over its cluster's; a head nobody
     chose is kept; the shared part goes down once."""
     algo, eng, fed = make_algo("ifca", ["algo.k=3", "algo.weight_sharing=true"])
-    head = eng.spec.mask(eng.model.head_params())
+    head = eng.spec.mask(eng.model.head_params(), device=algo.device)
     shared = algo.shared_entries
     assert torch.equal(shared[: eng.n_params], ~head) and shared[eng.n_params :].all()
     assert (algo.models[:, shared] == algo.models[0, shared]).all()  # one body at the start
     g = torch.Generator().manual_seed(2)  # heads apart, so that clients choose differently
     heads = torch.nonzero(~shared).flatten()
-    algo.models[:, heads] += 2 * torch.randn(3, len(heads), generator=g)
+    algo.models[:, heads] += 2 * torch.randn(3, len(heads), generator=g).to(algo.device)
     before = algo.models.clone()
     clients = np.arange(3)
     chosen = direct_losses(algo, eng, fed).argmin(1)

@@ -28,7 +28,7 @@ def brute_knn(query, keys, labels, k, scale, num_classes):
         for j in near:
             p[int(labels[j])] += w[j] / sum(w.values())
         out.append(p)
-    return torch.tensor(out)
+    return torch.tensor(out, device=query.device)
 
 
 @pytest.mark.quick
@@ -68,7 +68,7 @@ def test_prediction_by_hand(mix):
     prediction argmax of lambda_i h^kNN + (1 - lambda_i) h_S on any samples."""
     algo, eng, fed = make_algo("knnper", ["algo.k=3", "algo.lambda_step=0.05", f"algo.mix={mix}"])
     algo.round(0, np.arange(3))
-    model = eng.to_module(algo.w, algo.model_fn()).eval()
+    model = eng.to_module(algo.w, algo.model_fn().to(algo.device)).eval()
 
     def embed(idx):
         with torch.no_grad():
@@ -106,7 +106,9 @@ def test_fedavg_on_the_training_part_and_the_split():
         assert torch.equal(both, fed.train_idx[i])
     w0, clients = algo.w.clone(), np.array([0, 2])
     trained = algo.trainer.train(w0, clients, optim=algo.optim, lr=0.1, batch_size=8, epochs=1)
-    n = torch.tensor([float(len(algo.trainer.fed.train_idx[i])) for i in clients])
+    n = torch.tensor(
+        [float(len(algo.trainer.fed.train_idx[i])) for i in clients], device=algo.device
+    )
     info = algo.round(0, clients)
     torch.testing.assert_close(algo.w, (n[:, None] / n.sum() * trained.states).sum(0))
     assert torch.equal(algo.global_state(), algo.w) and torch.equal(algo.personal_state(1), algo.w)

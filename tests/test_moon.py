@@ -32,12 +32,12 @@ def l_con_by_hand(z, zg, zp, tau):
 
 def module_at(algo, state):
     """A separate module holding `state` (the reference models, built by hand)."""
-    return algo.engine.to_module(state, algo.model_fn())
+    return algo.engine.to_module(state, algo.model_fn().to(state.device))
 
 
 def perturbed(algo, seed, scale=0.3):
-    g = torch.Generator().manual_seed(seed)
-    return algo.w + scale * torch.randn(algo.w.shape, generator=g)
+    g = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same values on any device
+    return algo.w + scale * torch.randn(algo.w.shape, generator=g).to(algo.device)
 
 
 @pytest.mark.quick
@@ -108,14 +108,14 @@ def test_round_by_hand(weighting):
     algo, eng, fed = make_algo("moon", [f"algo.weighting={weighting}"])
     w0 = algo.w.clone()
     algo.round(0, np.array([0, 2]))
-    assert torch.equal(algo.seen, torch.tensor([True, False, True]))
+    assert torch.equal(algo.seen, torch.tensor([True, False, True], device=algo.device))
     assert torch.equal(algo.theta[1], w0)  # never trained: its previous model is w^0
     w1, theta = algo.w.clone(), algo.theta.clone()
     clients = np.array([2, 1])
     obj = ModelContrastive(eng.model, eng.spec, w1, theta[clients], algo.hp.mu, algo.hp.tau)
     want = eng.train(w1, clients, optim=algo.optim, lr=algo.optim.lr_at(1), batch_size=8,
                      epochs=1, round=1, objective=obj).states  # fmt: skip
-    n = fed.train_sizes[clients] if weighting == "samples" else torch.ones(2)
+    n = (fed.train_sizes[clients] if weighting == "samples" else torch.ones(2)).to(algo.device)
     info = algo.round(1, clients)
     torch.testing.assert_close(algo.w, (n[:, None] / n.sum() * want).sum(0))
     torch.testing.assert_close(algo.theta[clients], want)

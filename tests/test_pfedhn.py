@@ -23,12 +23,13 @@ def test_vjp_is_the_gradient_of_theta_dot_delta():
     the flat hypernetwork vector, against the plain nn.Module with its own parameters."""
     algo = make()
     i = 1
-    delta = torch.randn(int(algo.gen_mask.sum()), generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)  # drawn on the CPU: the same Delta on any device
+    delta = torch.randn(int(algo.gen_mask.sum()), generator=gen).to(algo.device)
     g = algo.vjp(i, delta)
     hnet = algo.hnet  # the module whose layout phi follows; load phi into its parameters
     algo.hspec.load_into(hnet, algo.phi)
     hnet.zero_grad()
-    (hnet(torch.tensor([i])) * delta).sum().backward()
+    (hnet(torch.tensor([i], device=algo.device)) * delta).sum().backward()
     expect = torch.cat([p.grad.reshape(-1) for p in hnet.parameters()])
     torch.testing.assert_close(g, expect)
     emb = algo.hspec.index["embeddings.weight"]
@@ -112,7 +113,8 @@ def test_plgu_ghn_uniform_scores_is_sam_on_phi_only():
     """PLGU-GHN's update with `scores: uniform`: VJP at phi + rho g_phi / ||g_phi||, with the
     embeddings not perturbed; rho = 0 gives pFedHN's VJP."""
     algo = make("plgu_ghn", ["algo.scores=uniform", "algo.rho=0.5"])
-    delta = torch.randn(int(algo.gen_mask.sum()), generator=torch.Generator().manual_seed(2))
+    gen = torch.Generator().manual_seed(2)  # drawn on the CPU: the same Delta on any device
+    delta = torch.randn(int(algo.gen_mask.sum()), generator=gen).to(algo.device)
     g = algo.vjp(0, delta)
     g_phi = g * ~algo.embed_entries
     eps = 0.5 * g_phi / (g_phi.norm() + 1e-12)
@@ -124,7 +126,7 @@ def test_plgu_ghn_uniform_scores_is_sam_on_phi_only():
 def test_plgu_ghn_scales_each_head_by_its_layer_score():
     algo = make("plgu_ghn")
     assert algo.gen_layers.names == ["body.fc1", "head"]
-    scale = algo.hn_scale(torch.tensor([1.5, 0.5])).tolist()
+    scale = algo.hn_scale(torch.tensor([1.5, 0.5], device=algo.device)).tolist()
     at = {e.name: lam for e, lam in zip(algo.hspec.params, scale)}
     assert at["heads.0.weight"] == at["heads.1.bias"] == 1.5  # generate body.fc1
     assert at["heads.2.weight"] == at["heads.3.bias"] == 0.5  # generate the head

@@ -62,7 +62,8 @@ def test_plgu_lf_step_hand_computed():
     P, i, lr, rho = algo.engine.n_params, 1, 0.1, 0.5
     w0 = algo.w.clone()
     theta = w0.clone()
-    theta[:P] += 0.3 * torch.randn(P, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)  # drawn on the CPU: the same values on any device
+    theta[:P] += 0.3 * torch.randn(P, generator=gen).to(algo.device)
     theta[:32] += 1.0  # body.fc1's weight (6 x 8 = 48 entries): the most personalized layer
     algo.theta[i], algo.seen[i] = theta, True
     x, y = fed.batch(fed.train_idx[i])
