@@ -106,6 +106,9 @@ def test_a_fedavg_round_runs_whole_on_another_device(backend):
     device: a whole FedAvg round runs on meta, and its model stays there."""
     algo = _on_meta("fedavg", backend)
     assert algo.w.is_meta and algo.engine.backend_for(3) == backend
+    # the global model comes back as a module on the run's device (a CPU module before;
+    # personal_model is built the same way, past an .item() that meta cannot run)
+    assert all(p.is_meta for p in algo.global_model().parameters())
 
 
 @pytest.mark.quick

@@ -312,4 +312,4 @@ class TrainerLayout(WithTrainer):
         return self.trainer.correct(self.personal_state(i), idx)
 
     def personal_model(self, i: int) -> nn.Module:
-        return self.trainer.to_module(self.personal_state(i), self.trainer_module())
+        return self.trainer.to_module(self.personal_state(i), self.trainer_module().to(self.device))

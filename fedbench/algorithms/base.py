@@ -277,11 +277,13 @@ class Algorithm:
         raise NotImplementedError(f"{self.name} declares no predictor {kind!r}")
 
     def personal_model(self, i: int) -> nn.Module:
-        return self.engine.to_module(self.personal_state(i), self.model_fn())
+        """Client i's deployed model as a module, on the run's device."""
+        return self.engine.to_module(self.personal_state(i), self.model_fn().to(self.device))
 
     def global_model(self) -> nn.Module | None:
+        """The global model as a module on the run's device (None where there is none)."""
         g = self.global_state()
-        return None if g is None else self.engine.to_module(g, self.model_fn())
+        return None if g is None else self.engine.to_module(g, self.model_fn().to(self.device))
 
     def server_step(
         self,

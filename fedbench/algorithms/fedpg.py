@@ -201,7 +201,7 @@ def personal_coeffs_from(D: np.ndarray, K: np.ndarray, online: int) -> np.ndarra
 def personal_coeffs(d: torch.Tensor, G: torch.Tensor, online: int) -> torch.Tensor:
     """r_i (float64 [online]) of the first `online` rows of G, from explicit rows."""
     D = (G.double() @ d.double()).cpu().numpy()
-    return torch.from_numpy(personal_coeffs_from(D, gram(G), online))
+    return torch.from_numpy(personal_coeffs_from(D, gram(G), online)).to(d.device)
 
 
 def apply_gamma(r: torch.Tensor, gamma: float | None, mode: str) -> torch.Tensor:
