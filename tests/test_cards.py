@@ -61,7 +61,8 @@ def test_provenance_is_the_runs_own_or_marked_as_recorded_after(made):
             assert len(c.data_digest) == 64
 
 
-@pytest.mark.quick
+@pytest.mark.slow
+@pytest.mark.long
 def test_every_command_is_accepted_as_printed_and_gives_the_recorded_config(made, tmp_path):
     """Each card's command passes fedbench's own checks (run in an empty folder, where its
     run directory does not exist yet) and composes to the cell's recorded config."""

@@ -332,6 +332,7 @@ def test_layerwise_preset_scores_two_layers():
 @pytest.mark.parametrize(
     "script", ["reproduce_diversifed.sh", "reproduce_plgu.sh", "reproduce_fedslr.sh"]
 )
+@pytest.mark.long
 def test_every_table_cell_passes_the_checks(script):
     """Every cell of the tables composes and passes the Params schema (no key of one method
     leaks into another's config)."""
@@ -390,6 +391,7 @@ def test_layerwise_preset_scores_differ_and_k1_scores_are_one(tmp_path, monkeypa
     "preset,algo",
     [("fedslr_t1_cifar10_dir", "fedslr"), ("fedpg_table1_cifar10", "fedpg")],
 )
+@pytest.mark.long
 def test_paper_cell_runs_on_cifar_format_files(tmp_path, preset, algo):
     """A FedSLR / FedPG Table 1 cell (ResNet-18 GN with FedSLR's prox; FedPG's CNN) runs a
     round on CIFAR-10 files in their own pickle format, shrunk to 4 clients."""

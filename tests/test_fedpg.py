@@ -416,6 +416,7 @@ def test_fedpg_learns_fmnist(tmp_path, algo):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_reproduce_script_cells_are_one_cell_commands():
     """Every run scripts/reproduce_fedpg.sh starts for Tables 1 (FMNIST) and 3 (A2) composes
     exactly `fedbench +experiment=<preset> algo=<a> seed=0 optim.lr=<lr> [algo.gamma=<g>]`

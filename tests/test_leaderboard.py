@@ -275,6 +275,7 @@ def test_leaderboard_script_plans_one_sweep_per_federation_and_method(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_leaderboard_script_runs_and_reports_every_column(tmp_path):
     """3 methods x 2 seeds on a tiny fmnist_pat2 at their defaults: every cell finishes,
     and the report has the ranking, the tests and every column, with each method's

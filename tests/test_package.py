@@ -46,6 +46,7 @@ def run_installed(site: Path, *args: str, cwd: Path) -> subprocess.CompletedProc
 
 @pytest.mark.slow
 @pytest.mark.skipif(not fmnist_available(), reason="FMNIST not installed")
+@pytest.mark.long
 def test_non_editable_install_runs_from_another_directory(installed, tmp_path):
     r = run_installed(installed, *TINY, "hydra.run.dir=run", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -55,6 +56,7 @@ def test_non_editable_install_runs_from_another_directory(installed, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not fmnist_available(), reason="FMNIST not installed")
+@pytest.mark.long
 def test_a_users_config_directory_adds_options(installed, tmp_path):
     mine = tmp_path / "myconf" / "algo"
     mine.mkdir(parents=True)

@@ -176,6 +176,7 @@ CI_CELLS = ["diversifed/table2_fmnist/local", "diversifed/table2_fmnist/fedavg"]
 
 @pytest.mark.slow
 @pytest.mark.skipif(not fmnist_available(), reason="FMNIST not installed")
+@pytest.mark.long
 def test_check_pinned_sample_matches():
     r = subprocess.run(
         ["bash", "scripts/check_pinned.sh", "--rounds", "2", *(f"results/{c}" for c in CI_CELLS)],

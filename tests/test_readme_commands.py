@@ -129,6 +129,7 @@ def test_runs():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_skipped_tests_are_recorded_as_ids_pytest_takes_back(tmp_path):
     """.ci/run's second half runs again the ids that tests/conftest.py recorded in the first
     (under xdist's loadgroup, whose "@group" suffix is no part of an id pytest takes)."""

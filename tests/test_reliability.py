@@ -162,7 +162,8 @@ def test_every_option_yaml_matches_its_schema(group):
         ), p
 
 
-@pytest.mark.quick
+@pytest.mark.slow
+@pytest.mark.long
 def test_every_preset_and_option_passes_the_schema():
     from fedbench.config import check_config
 
@@ -184,7 +185,8 @@ def test_sweep_values_are_checked_job_by_job_before_the_sweep_starts(tmp_path):
 
 
 # ----------------------------------------------------------------------------- one run, one dir
-@pytest.mark.quick
+@pytest.mark.slow
+@pytest.mark.long
 def test_default_directories_differ_for_runs_started_together():
     """The default run directory carries a per-process token: two processes composing in
     the same second get different names (a job array, a joblib pool)."""
@@ -229,6 +231,7 @@ def test_a_run_refused_after_hydra_started_leaves_no_directory(tmp_path):
 
 @pytest.mark.slow
 @needs_fmnist
+@pytest.mark.long
 def test_a_second_run_into_a_directory_in_use_is_refused_naming_the_holder(tmp_path):
     run = tmp_path / "run"
     args = [

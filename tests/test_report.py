@@ -701,6 +701,7 @@ def test_cli_plots_next_to_the_table(sweep, tmp_path, capsys):
 # --------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 @pytest.mark.skipif(not fmnist_available(), reason="FMNIST not installed")
+@pytest.mark.long
 def test_sweep_then_report(tmp_path):
     """A real Hydra multirun (2 algorithms x 2 seeds), then fedbench-report on it."""
     sweep_dir = tmp_path / "sweep"

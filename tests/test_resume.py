@@ -58,6 +58,7 @@ def test_resume_after_crash_equals_uninterrupted(tmp_path, algo, extra, monkeypa
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sigkill_then_resume(tmp_path):
     """The real thing: SIGKILL the CLI after its first checkpoint, rerun with resume=true."""
     args = [*SMALL_FMNIST, "rounds=16", "eval.every=4", "checkpoint.every=2"]

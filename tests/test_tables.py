@@ -102,6 +102,7 @@ def status(*args: str, cwd: Path = REPO) -> str:
 @pytest.mark.slow
 @needs_fmnist
 @pytest.mark.xdist_group("table")  # one worker: the reference table is run once
+@pytest.mark.long
 def test_a_table_killed_twice_finishes_equal_to_an_uninterrupted_one(tmp_path, reference):
     """kill -9 of the whole table (script, sweep, run) twice, mid-run, then the script again
     until it completes: every cell finishes once, and the table equals an uninterrupted
@@ -198,6 +199,7 @@ SWEEP = [
 
 @pytest.mark.slow
 @needs_fmnist
+@pytest.mark.long
 def test_status_names_every_state_and_never_takes_a_lock(tmp_path):
     from fedbench.rundir import RunDir
 
@@ -289,6 +291,7 @@ def test_cell_names_fit_a_file_name_and_stay_distinct():
 
 @pytest.mark.slow
 @needs_fmnist
+@pytest.mark.long
 def test_a_cell_whose_overrides_are_too_long_for_a_file_name_runs_and_is_found_again(
     tmp_path,
 ):

@@ -488,6 +488,7 @@ def test_a_grid_sweep_does_not_warn(tmp_path):
 
 @pytest.mark.slow
 @needs_fmnist
+@pytest.mark.long
 def test_extended_run_selects_as_an_uninterrupted_one(tmp_path):
     """The validation-selected round rides in the checkpoint: a run extended from 2 to 4
     rounds (resume=true) ends with the summary of a 4-round run."""
