@@ -7,7 +7,7 @@ that, once, on the engine's public pieces: `Engine.batches` (the same batches as
 `Engine.train` for the same round/client/salt), `Engine.grad_at` (training mode, as every
 training step) and `optim.step_`/`init_state`. They run client after client on the module;
 `Engine.client_steps` runs a step function over all sampled clients at once where vmap can
-(pFedMe is there; the loops below are next).
+(pFedMe and Per-FedAvg are there; the loops above are next).
 
 Optimizer state: `engine.optim_states.get(cfg, slot, client, w)` before a client's steps and
 `engine.optim_states.keep(cfg, slot, client, state)` after them, the store `Engine.train`

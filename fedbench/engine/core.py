@@ -215,10 +215,10 @@ class Engine:
            scripts/bench_engine.py), sequential with convolutions (vmap makes them grouped
            convolutions, 2x slower there than a loop on the FedAvg CNN round).
 
-        `client_steps` (an algorithm's own step function: pFedMe) is chosen the same way
-        (never a custom objective: its batches' `grad` is the cross-entropy). Loops still
-        hand-written per client (`algorithms/_steps.py`: APPLE, Ditto's interleaved mode,
-        FedSLR, Per-FedAvg, pFedHN, PLGU) run on the module, never through this choice.
+        `client_steps` (an algorithm's own step function: pFedMe, Per-FedAvg) is chosen the
+        same way (never a custom objective: its batches' `grad` is the cross-entropy). Loops
+        still hand-written per client (`algorithms/_steps.py`: APPLE, Ditto's interleaved
+        mode, FedSLR, pFedHN, PLGU) run on the module, never through this choice.
         """
         if self.backend == "sequential":
             return "sequential"

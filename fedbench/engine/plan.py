@@ -139,7 +139,10 @@ class StepPlan:
 
 
 class StepBatch(Protocol):
-    """The t-th batches of the k clients taking a step (`ClientStep`'s second argument)."""
+    """The t-th batches of the k clients taking a step (`ClientStep`'s second argument);
+    `index` is t, the step's position in each client's schedule (the same for all k)."""
+
+    index: int
 
     def grad(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss [k], gradient [k, P]) of each client's cross-entropy on its own batch at its

@@ -40,8 +40,8 @@ from fedbench.engine.store import OptimStates
 class OneClient:
     """One client's batch of a step (`StepBatch` with k = 1), its gradients on the module."""
 
-    def __init__(self, module: FlatModule, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.module, self.x, self.y = module, x, y
+    def __init__(self, module: FlatModule, x: torch.Tensor, y: torch.Tensor, index: int) -> None:
+        self.module, self.x, self.y, self.index = module, x, y, index
 
     def grad(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         loss, g = self.module.grad_at(states[0], self.x, self.y)
@@ -149,7 +149,7 @@ class SequentialBackend:
             draws = self.schedule.draws_of(plan, client, idx)
             rows = {n: v[c : c + 1] for n, v in out.items()}  # views
             for s, (x, y) in enumerate(self.schedule.read(idx, lens, draws)):
-                new, a = step(rows, OneClient(self.module, x, y))
+                new, a = step(rows, OneClient(self.module, x, y, s))
                 write_back(rows, new)
                 if a is not None:
                     if aux is None:

@@ -120,6 +120,7 @@ class VmapBackend:
         # as per-client counters, their counts added to the module's (the sequential count)
         self.counters = [n for n, b in model.named_buffers() if not b.is_floating_point()]
         self.batch_stats = batch_statistics(model)
+        self._plain = None  # `_plain_grad`, built on first use
 
     def _buffers(self, states: torch.Tensor) -> dict[str, torch.Tensor]:
         """Copies of `states`' buffers, one contiguous [C, *shape] per buffer (a batched
@@ -314,7 +315,7 @@ class VmapBackend:
                 x, y = self.schedule.batch(ix, None if aug is None else aug[s, :k].reshape(-1, 3))
                 x, y = x.view(k, Bc, *x.shape[1:]), y.view(k, Bc)
                 view = {n: v[:k] for n, v in st.items()}
-                new, a = step(view, MappedBatch(self, x, y, wt[s, :k], lens[s][:k]))
+                new, a = step(view, MappedBatch(self, x, y, wt[s, :k], lens[s][:k], s))
                 write_back(view, new)
                 if a is not None:
                     if aux is None:
@@ -326,7 +327,7 @@ class VmapBackend:
 
     def _plain_grad(self):
         """The mapped (gradient, loss) of the plain cross-entropy, built once."""
-        if getattr(self, "_plain", None) is None:
+        if self._plain is None:
             self._plain = vmap(grad_and_value(self._loss(())))
         return self._plain
 
@@ -392,8 +393,9 @@ class MappedBatch:
     """The step's batches of k clients (`StepBatch`): x [k, B, ...], y [k, B], sample
     weights wt [k, B] (1/len, 0 on padding) and each batch's real length."""
 
-    def __init__(self, backend: VmapBackend, x, y, wt, lens: list[int]) -> None:
+    def __init__(self, backend: VmapBackend, x, y, wt, lens: list[int], index: int) -> None:
         self.backend, self.x, self.y, self.wt, self.lens = backend, x, y, wt, lens
+        self.index = index
 
     def grad(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         be = self.backend
@@ -401,7 +403,7 @@ class MappedBatch:
         fn = be._plain_grad()
         W, bufs = states[:, :P], be._buffers(states)
         groups = be._groups(self.lens, B)
-        if len(groups) == 1 and groups[0][0] == slice(0, k):
+        if len(groups) == 1 and isinstance(groups[0][0], slice):  # all k clients: no copies
             n = groups[0][1]
             g, loss = fn(W, bufs, self.x[:, :n], self.y[:, :n], self.wt[:, :n])
         else:
