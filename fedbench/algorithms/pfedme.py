@@ -84,15 +84,21 @@ class PFedMe(Algorithm):
         P, K = self.engine.n_params, self.hp.inner_steps
         lam, lr_p, eta = self.hp.lam, self.hp.personal_lr, self.optim.lr_at(t)
 
+        scratch: list[torch.Tensor] = []  # one [k, P] difference, reused (no fresh pages)
+
         def step(st: dict[str, torch.Tensor], batch: StepBatch):
             theta, w = st["theta"], st["w"]  # [k, D]: theta warm-starts from the last batch
+            k = theta.shape[0]
+            if not scratch or scratch[0].shape[0] < k:
+                scratch[:] = [theta.new_empty(k, P)]
+            d = scratch[0][:k]
             losses = []
             for _ in range(K):
                 loss, g = batch.grad(theta)  # updates theta's running statistics
                 losses.append(loss)
-                g.add_(theta[:, :P] - w[:, :P], alpha=lam)
+                g.add_(torch.sub(theta[:, :P], w[:, :P], out=d), alpha=lam)
                 theta[:, :P].sub_(g, alpha=lr_p)
-            w[:, :P].sub_(w[:, :P] - theta[:, :P], alpha=eta * lam)
+            w[:, :P].sub_(torch.sub(w[:, :P], theta[:, :P], out=d), alpha=eta * lam)
             w[:, P:] = theta[:, P:]  # float buffers (BatchNorm statistics) follow the forward
             return st, torch.stack(losses, 1)
 
