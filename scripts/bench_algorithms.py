@@ -161,7 +161,7 @@ class Trace:
 
     rounds: int = 0
     backends: Counter = field(default_factory=Counter)  # backend_for's choices (train, grads)
-    own_steps: int = 0  # Engine.grad_at_loaded calls: steps of an algorithm's own loop
+    own_steps: int = 0  # Engine.grad_at calls: steps of an algorithm's own per-client loop
     loss_passes: int = 0  # Engine.full_grads(with_grad=False) calls (S-FedPG's line search)
 
     def per_round(self, n: int) -> float:
@@ -189,10 +189,10 @@ class _Reasons(logging.Handler):
 
 class Probes:
     """Counts what the engines do without changing it: wraps `Engine.backend_for`,
-    `Engine.grad_at_loaded` and `Engine.full_grads` (restored on exit) and reads the reasons
+    `Engine.grad_at` and `Engine.full_grads` (restored on exit) and reads the reasons
     `backend_for` logs. Records into `trace` while it is set."""
 
-    NAMES = ("backend_for", "grad_at_loaded", "full_grads")
+    NAMES = ("backend_for", "grad_at", "full_grads")
 
     def __init__(self) -> None:
         self.trace: Trace | None = None
@@ -200,7 +200,7 @@ class Probes:
 
     def __enter__(self) -> Probes:
         self.saved = {n: getattr(Engine, n) for n in self.NAMES}
-        backend_for, grad_at_loaded, full_grads = self.saved.values()
+        backend_for, grad_at, full_grads = self.saved.values()
         probes = self
 
         def traced_backend_for(eng, n_clients, objective=None):
@@ -209,10 +209,10 @@ class Probes:
                 probes.trace.backends[choice] += 1
             return choice
 
-        def traced_grad_at_loaded(eng, *args, **kw):
+        def traced_grad_at(eng, *args, **kw):
             if probes.trace is not None:
                 probes.trace.own_steps += 1
-            return grad_at_loaded(eng, *args, **kw)
+            return grad_at(eng, *args, **kw)
 
         def traced_full_grads(eng, states, clients, *, with_grad=True, block=None):
             if probes.trace is not None and not with_grad:
@@ -220,7 +220,7 @@ class Probes:
             return full_grads(eng, states, clients, with_grad=with_grad, block=block)
 
         Engine.backend_for = traced_backend_for
-        Engine.grad_at_loaded = traced_grad_at_loaded
+        Engine.grad_at = traced_grad_at
         Engine.full_grads = traced_full_grads
         logger = logging.getLogger("fedbench")
         self.level = logger.level
@@ -657,9 +657,7 @@ def why(m: Measurement, ref_backend: str) -> str:
             parts.append(f"{choice}: {said}")
     if m.trace.own_steps:
         per = m.trace.per_round(m.trace.own_steps)
-        parts.append(
-            f"own per-client loop: {per:.0f} one-client steps per round (Engine.grad_at_loaded)"
-        )
+        parts.append(f"own per-client loop: {per:.0f} one-client steps per round (Engine.grad_at)")
     arith = ARITHMETIC.get(m.algo)
     if arith is not None and arith.left_out:
         parts.append(f"not counted: {arith.left_out}")

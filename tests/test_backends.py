@@ -54,12 +54,12 @@ def bn_cnn(fed):
     )  # fmt: skip
 
 
-def run_rounds(name: str, backend: str, monkeypatch, rounds: int = 2, image=None):
+def run_rounds(name: str, backend: str, monkeypatch, rounds: int = 2, image=None, extra=()):
     """(algorithm state after `rounds` rounds, each client's hits on its test data by the
     personalized and the global model, the backends the engine chose). `image`: None (the
     MLP on TinyFed), or whether the BatchNorm CNN on ImageFed reads augmented batches."""
     kw = {} if image is None else {"fed": ImageFed(image), "model_fn": bn_cnn}
-    algo, _, fed = make_algo(name, [f"engine.backend={backend}"], backend=backend, **kw)
+    algo, _, fed = make_algo(name, [f"engine.backend={backend}", *extra], backend=backend, **kw)
     chosen: list[str] = []
     choose = Engine.backend_for
 
@@ -117,14 +117,27 @@ def assert_close_tree(a, b, path: str = "state") -> None:
 DISCONTINUOUS = {"fedcac": {"theta"}}
 
 
-def assert_same_runs(name: str, monkeypatch, rounds: int, image=None) -> None:
+# Algorithms whose client loops run on `Engine.client_steps`: their vmap run must map (a
+# silent fall-back to sequential would compare a run with itself).
+CLIENT_STEPS = {"perfedavg", "pfedme"}
+# Settings that keep a case within seconds (pFedMe's 20 batches x 5 inner steps are 100
+# mapped gradients per round, about 30 s through the BatchNorm CNN on 2 CPU cores).
+CHEAP = {"pfedme": ["algo.local_rounds=3", "algo.inner_steps=2"]}
+
+
+def assert_same_runs(name: str, monkeypatch, rounds: int, image=None, extra=()) -> None:
     """The vmap run equals the sequential one (where vmap ran at all)."""
-    vm_state, vm_hits, vm_chosen = run_rounds(name, "vmap", monkeypatch, rounds, image)
+    extra = (*CHEAP.get(name, ()), *extra)
+    vm_state, vm_hits, vm_chosen = run_rounds(name, "vmap", monkeypatch, rounds, image, extra)
+    if name in CLIENT_STEPS:
+        assert "vmap" in vm_chosen, vm_chosen
     if "vmap" not in vm_chosen:
         # every train call fell back to sequential (or the algorithm trains without the
         # engine): a sequential run would take the same path
         return
-    seq_state, seq_hits, seq_chosen = run_rounds(name, "sequential", monkeypatch, rounds, image)
+    seq_state, seq_hits, seq_chosen = run_rounds(
+        name, "sequential", monkeypatch, rounds, image, extra
+    )
     assert set(seq_chosen) == {"sequential"}
     assert len(vm_chosen) == len(seq_chosen)  # the same train calls
     skip = DISCONTINUOUS.get(name, set()) if image is not None else set()
@@ -152,3 +165,15 @@ def test_both_backends_agree_on_batchnorm_and_augmentation(name, caplog, monkeyp
     flips at once (one case per algorithm keeps the suite's time)."""
     caplog.set_level(logging.WARNING)
     assert_same_runs(name, monkeypatch, rounds=1, image=True)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", sorted(CLIENT_STEPS))
+def test_client_steps_with_unequal_step_counts(name, caplog, monkeypatch):
+    """`Engine.client_steps` over clients that take 2, 1 and 3 steps (one epoch of ImageFed's
+    13, 6 and 17 samples in batches of 8; pFedMe with `local_rounds: null`; Per-FedAvg's
+    pairs of batches, an unpaired last one): on vmap the clients that still have a batch
+    step together, the others keep their rows."""
+    caplog.set_level(logging.WARNING)
+    extra = ["algo.local_rounds=null"] if name == "pfedme" else []
+    assert_same_runs(name, monkeypatch, rounds=1, image=True, extra=extra)

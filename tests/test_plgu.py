@@ -193,14 +193,18 @@ def test_pfedme_local_rounds_null_is_local_epochs_passes():
     fed = TinyFed()
     algo = make("pfedme", ["batch_size=8", "local_epochs=2", "algo.local_rounds=null"], fed)
     calls = []
-    real = algo.engine.batches
+    real = algo.step
 
-    def counted(*a, **kw):
-        for b in real(*a, **kw):
-            calls.append(len(b[1]))
-            yield b
+    def counted(t):
+        inner = real(t)
 
-    algo.engine.batches = counted
+        def step(state, batch):  # one client: the sequential backend's batch (x, y)
+            calls.append(len(batch.y))
+            return inner(state, batch)
+
+        return step
+
+    algo.step = counted
     i = 1
     algo.round(0, np.array([i]))
     n = len(fed.train_idx[i])

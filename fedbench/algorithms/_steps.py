@@ -1,11 +1,13 @@
 """Hand-written local steps, for the client updates `Engine.train` cannot express.
 
-PLGU-LF's coupled personal + universal step, PLGU-GRep's three-pass body step, pFedMe's K
-inner steps per batch, Ditto's interleaved steps and pFedHN's clipped inner steps are all
+PLGU-LF's coupled personal + universal step, PLGU-GRep's three-pass body step, Ditto's
+interleaved steps and pFedHN's clipped inner steps are all
 "gradient of some state on a batch, then an optimizer step on some state". This module is
 that, once, on the engine's public pieces: `Engine.batches` (the same batches as
-`Engine.train` for the same round/client/salt), `Engine.load` + `Engine.grad_at_loaded`
-(training mode, as every training step) and `optim.step_`/`init_state`.
+`Engine.train` for the same round/client/salt), `Engine.grad_at` (training mode, as every
+training step) and `optim.step_`/`init_state`. They run client after client on the module;
+`Engine.client_steps` runs a step function over all sampled clients at once where vmap can
+(pFedMe and Per-FedAvg are there; the loops above are next).
 
 Optimizer state: `engine.optim_states.get(cfg, slot, client, w)` before a client's steps and
 `engine.optim_states.keep(cfg, slot, client, state)` after them, the store `Engine.train`
@@ -41,19 +43,9 @@ def grad_at(
     """(loss, gradient [P]) of `state` (evaluated at state + `at` when given) on (x, y), in
     training mode (BatchNorm on the batch's statistics, dropout on), whatever an evaluation
     left. The gradient is a tensor of its own (not the engine's buffer, which the next call
-    overwrites). Updates `state`'s buffers (running statistics) as the forward did."""
-    P = engine.n_params
-    if at is not None:
-        state[:P].add_(at)
-    engine.load(state)
-    loss = engine.grad_at_loaded(x, y, terms, rows)
-    if at is not None:
-        state[:P].sub_(at)
-    if engine.spec.has_buffers:
-        buffers = dict(engine.model.named_buffers())
-        for e in engine.spec.buffers:
-            state[e.start : e.stop] = buffers[e.name].reshape(-1)
-    return loss, engine.grad.clone()
+    overwrites). Updates `state`'s buffers (running statistics) as the forward did
+    (`Engine.grad_at`)."""
+    return engine.grad_at(state, x, y, at=at, terms=terms, rows=rows)
 
 
 def clip_(g: torch.Tensor, max_norm: float | None) -> torch.Tensor:

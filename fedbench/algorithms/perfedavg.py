@@ -10,7 +10,9 @@ Client k starts from the global w and walks its E epochs of batches in pairs (D,
 odd last batch of the stream is unused). The server averages the clients' theta (by
 samples, `weighting`). The personalized model of every client is one SGD step of size
 alpha from the new w on one of its training batches. Defaults alpha = 0.01, beta = 0.001
-(FedSLR's appendix; docs/papers/fedslr.md).
+(FedSLR's appendix; docs/papers/fedslr.md). Both loops run batched: a step function over
+all clients at once (`Engine.client_steps`; vmap, or client after client on the sequential
+backend, as `Engine.backend_for` picks).
 
 Buffers: averaged (weights >= 0): the server's sample-weighted mean of the clients' states,
 running statistics included; the personalization step's forward updates them (train mode).
@@ -30,9 +32,9 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._about import About
-from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, nonneg, positive
+from fedbench.engine import ClientStep, StepBatch
 from fedbench.engine.optim import step_
 
 
@@ -68,43 +70,81 @@ class PerFedAvg(Algorithm):
         self.w = engine.initial_state()
         self.theta = self.w.repeat(self.N, 1)  # personalized (one-step adapted) models
 
-    def meta_train(self, i: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Client i's first-order MAML steps from w; (its new state, mean outer loss)."""
-        eng, P = self.engine, self.engine.n_params
-        theta = self.w.clone()
-        ost = eng.optim_states.get(self.optim, "outer", i, theta[:P])
+    def meta_step(self, t: int, ost_keys: tuple[str, ...]) -> ClientStep:
+        """One batch of the clients' first-order MAML loops in round t (`Engine.client_steps`).
+
+        Even steps (D): theta' = theta - alpha grad L_D(theta), in the `inner` rows (a copy of
+        theta, so an unpaired last batch leaves theta as it is). Odd steps (D'): the outer
+        step of the run's optimizer at lr beta with grad L_D'(theta'); theta's buffers as the
+        two forwards left them. Aux: the outer losses [k] (zeros at even steps)."""
+        P = self.engine.n_params
         alpha, beta = self.hp.alpha, self.hp.beta * self.optim.lr_decay**t
-        stream = eng.batches(i, self.run.batch_size, epochs=self.run.local_epochs, round=t)
-        losses = []
-        for (x1, y1), (x2, y2) in zip(stream, stream):  # consecutive pairs (D, D')
-            _, g = grad_at(eng, theta, x1, y1)
-            inner = theta.clone()
-            inner[:P] -= alpha * g  # theta'
-            loss, g = grad_at(eng, inner, x2, y2)
-            losses.append(loss)
-            theta[P:] = inner[P:]  # buffers as the two forwards left them
+
+        def step(st: dict[str, torch.Tensor], batch: StepBatch):
+            theta, inner = st["theta"], st["inner"]
+            if batch.index % 2 == 0:
+                inner.copy_(theta)
+                _, g = batch.grad(inner)
+                inner[:, :P] -= alpha * g  # theta'
+                return st, torch.zeros(theta.shape[0], device=theta.device)
+            loss, g = batch.grad(inner)
+            theta[:, P:] = inner[:, P:]  # buffers as the two forwards left them
+            ost = {k: st["ost." + k] for k in ost_keys}
             with torch.no_grad():
-                step_(self.optim, theta[:P], g, ost, beta)
-        eng.optim_states.keep(self.optim, "outer", i, ost)
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
-        return theta, loss
+                step_(self.optim, theta[:, :P], g, ost, beta)
+            return st, loss
+
+        return step
+
+    def meta_train(self, clients: list[int], t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The clients' first-order MAML steps from w; (their new states [C, D], mean outer
+        loss of each [C]), all clients at once where the engine can (`Engine.client_steps`)."""
+        eng, P = self.engine, self.engine.n_params
+        start = self.w.repeat(len(clients), 1)
+        ids = torch.as_tensor(clients, device=self.device)
+        ost = eng.optim_states.get(self.optim, "outer", ids, start[:, :P])
+        states = {"theta": start, "inner": start, **{"ost." + k: v for k, v in ost.items()}}
+        res = eng.client_steps(
+            states,
+            clients,
+            self.meta_step(t, tuple(ost)),
+            batch_size=self.run.batch_size,
+            epochs=self.run.local_epochs,
+            round=t,
+        )
+        eng.optim_states.keep(self.optim, "outer", ids, {k: res.states["ost." + k] for k in ost})
+        losses = torch.zeros(len(clients), device=self.device)
+        for c, n in enumerate(res.steps):
+            if n >= 2:  # the outer losses of its (D, D') pairs, in order
+                losses[c] = res.aux[1 : n - n % 2 : 2, c].reshape(-1).mean()
+        return res.states["theta"], losses
 
     def personalize(self, t: int) -> torch.Tensor:
         """[N, D]: one SGD step of size alpha from w on one training batch per client."""
-        eng, P = self.engine, self.engine.n_params
-        out = self.w.repeat(self.N, 1)
-        for i in range(self.N):
-            for x, y in eng.batches(i, self.run.batch_size, steps=1, round=t, salt=PERSONAL_SALT):
-                _, g = grad_at(eng, out[i], x, y)  # updates out[i]'s running statistics
-                out[i, :P] -= self.hp.alpha * g
-        return out
+        P, alpha = self.engine.n_params, self.hp.alpha
+
+        def step(st: dict[str, torch.Tensor], batch: StepBatch):
+            _, g = batch.grad(st["s"])  # updates the state's running statistics
+            st["s"][:, :P] -= alpha * g
+            return st, None
+
+        res = self.engine.client_steps(
+            {"s": self.w.repeat(self.N, 1)},
+            range(self.N),
+            step,
+            batch_size=self.run.batch_size,
+            steps=1,
+            round=t,
+            salt=PERSONAL_SALT,
+        )
+        return res.states["s"]
 
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
-        states, losses = zip(*(self.meta_train(int(i), t) for i in clients))
-        up = self.receive(torch.stack(states), clients, ref=self.w)
+        states, losses = self.meta_train([int(i) for i in clients], t)
+        up = self.receive(states, clients, ref=self.w)
         self.w = self.server_step("w", self.w, self.weights(clients, self.hp.weighting) @ up)
         self.theta = self.personalize(t)
-        return RoundReport(torch.stack(losses).mean(), self.comm(clients))
+        return RoundReport(losses.mean(), self.comm(clients))
 
     def global_state(self) -> torch.Tensor:
         return self.w

@@ -10,6 +10,9 @@ then w_i <- w_i - eta lambda (w_i - theta)
 with eta the run's `optim.lr` (pFedMe's own plain steps: the run's momentum and weight
 decay do not apply). `local_rounds: null` makes R the run's `local_epochs` passes over the
 client's mini-batches instead (PFLlib's pFedMe, which the DiversiFed paper ran).
+The client loop runs batched: one step function (`step`: a mini-batch's K inner steps and
+the w update) over all sampled clients at once (`Engine.client_steps`; vmap, or client after
+client on the sequential backend, as `Engine.backend_for` picks).
 Server: w <- (1 - beta) w + beta sum_i (n_i / n) w_i (sample-weighted over the sampled
 clients). lambda = 15, K = 5, R = 20, lr_p = 0.01, beta = 1.
 `eval_model`: `theta` (default: the paper's personalized model, theta_i after the client's
@@ -35,9 +38,9 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._about import About
-from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import hp, nonneg, positive
+from fedbench.engine import ClientStep, StepBatch
 
 
 @dataclass
@@ -75,32 +78,46 @@ class PFedMe(Algorithm):
         self.local = self.w.repeat(self.N, 1)  # local models w_i
         self.seen = torch.zeros(self.N, dtype=torch.bool, device=self.device)
 
-    def client(self, i: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(theta_i, w_i, mean inner loss) of client i in round t."""
-        eng, P = self.engine, self.engine.n_params
+    def step(self, t: int) -> ClientStep:
+        """One mini-batch of the clients' loops in round t (`Engine.client_steps`): K inner
+        steps on their theta rows, then the w update. Aux: the K inner losses [k, K]."""
+        P, K = self.engine.n_params, self.hp.inner_steps
         lam, lr_p, eta = self.hp.lam, self.hp.personal_lr, self.optim.lr_at(t)
-        w = self.w.clone()
-        theta = w.clone()
-        losses = []
-        steps = self.hp.local_rounds  # None: the schedule's local_epochs passes instead
-        batches = eng.batches(
-            i, self.run.batch_size, epochs=self.run.local_epochs, steps=steps, round=t
-        )
-        for x, y in batches:
-            for _ in range(self.hp.inner_steps):
-                loss, g = grad_at(eng, theta, x, y)
+
+        scratch: list[torch.Tensor] = []  # one [k, P] difference, reused (no fresh pages)
+
+        def step(st: dict[str, torch.Tensor], batch: StepBatch):
+            theta, w = st["theta"], st["w"]  # [k, D]: theta warm-starts from the last batch
+            k = theta.shape[0]
+            if not scratch or scratch[0].shape[0] < k:
+                scratch[:] = [theta.new_empty(k, P)]
+            d = scratch[0][:k]
+            losses = []
+            for _ in range(K):
+                loss, g = batch.grad(theta)  # updates theta's running statistics
                 losses.append(loss)
-                g.add_(theta[:P] - w[:P], alpha=lam)
-                theta[:P].sub_(g, alpha=lr_p)
-            w[:P].sub_(w[:P] - theta[:P], alpha=eta * lam)
-            w[P:] = theta[P:]  # float buffers (BatchNorm statistics) follow the forward
-        return theta, w, torch.stack(losses).mean()
+                g.add_(torch.sub(theta[:, :P], w[:, :P], out=d), alpha=lam)
+                theta[:, :P].sub_(g, alpha=lr_p)
+            w[:, :P].sub_(torch.sub(w[:, :P], theta[:, :P], out=d), alpha=eta * lam)
+            w[:, P:] = theta[:, P:]  # float buffers (BatchNorm statistics) follow the forward
+            return st, torch.stack(losses, 1)
+
+        return step
 
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
-        thetas, ws, losses = zip(*(self.client(int(i), t) for i in clients))
+        start = self.w.repeat(len(clients), 1)  # w_i <- w^t; theta_i starts there too
+        res = self.engine.client_steps(
+            {"theta": start, "w": start},
+            [int(i) for i in clients],
+            self.step(t),
+            batch_size=self.run.batch_size,
+            epochs=self.run.local_epochs,
+            steps=self.hp.local_rounds,  # None: the schedule's local_epochs passes instead
+            round=t,
+        )
         idx = torch.as_tensor(clients, device=self.device)
-        self.theta[idx] = torch.stack(thetas)
-        self.local[idx] = torch.stack(ws)
+        self.theta[idx] = res.states["theta"]
+        self.local[idx] = res.states["w"]
         self.seen[idx] = True
         beta = self.hp.beta
         up = self.receive(self.local[idx], clients, ref=self.w)
@@ -110,7 +127,7 @@ class PFedMe(Algorithm):
         b = min(beta, 1.0)  # buffers: a convex mix, even where beta > 1 extrapolates weights
         w[P:] = (1 - b) * self.w[P:] + b * avg[P:]
         self.w = w
-        return RoundReport(torch.stack(losses).mean(), self.comm(clients))
+        return RoundReport(res.client_mean().mean(), self.comm(clients))
 
     def personal_states(self) -> torch.Tensor:
         own = self.theta if self.hp.eval_model == "theta" else self.local

@@ -2,12 +2,14 @@
 
 One engine interface, two equal backends:
 
-- `core.py`       `Engine`: the front the algorithms call (`train`, `full_grads`, `batches`,
-                  evaluation, hand-written steps); builds a plan, picks a backend
-                  (`Engine.backend_for`), owns the pieces below and the checkpointed state.
+- `core.py`       `Engine`: the front the algorithms call (`train`, `full_grads`,
+                  `client_steps`, `batches`, evaluation, hand-written steps); builds a
+                  plan, picks a backend (`Engine.backend_for`), owns the pieces below and
+                  the checkpointed state.
 - `plan.py`       `TrainPlan` / `GradPlan` (what a call asks for), `TrainResult` /
-                  `GradResult`, `SAM`, and `Backend`: `train(plan, states)` and
-                  `full_grads(plan, states)`, the interface both backends implement.
+                  `GradResult`, `SAM`, `StepPlan` / `StepsResult` / `ClientStep` (the
+                  client-step vocabulary), and `Backend`: `train`, `full_grads` and
+                  `client_steps`, the interface both backends implement.
 - `sequential.py` `SequentialBackend`: client after client on one module (`flat.py`).
 - `vmap.py`       `VmapBackend`: all clients of a call in one batched computation per step.
 - `flat.py`       `FlatModule`: the module whose parameters, grads and buffers are views of
@@ -26,7 +28,15 @@ need when the engine builds them and import neither the engine nor each other.
 
 from fedbench.engine.core import Engine
 from fedbench.engine.optim import OptimConfig
-from fedbench.engine.plan import SAM, GradResult, TrainPlan, TrainResult
+from fedbench.engine.plan import (
+    SAM,
+    ClientStep,
+    GradResult,
+    StepBatch,
+    StepsResult,
+    TrainPlan,
+    TrainResult,
+)
 from fedbench.engine.rows import ClientRows, RowsPolicy
 from fedbench.engine.spec import ModelSpec
 from fedbench.engine.terms import Linear, Proximal, Term
@@ -34,6 +44,7 @@ from fedbench.engine.terms import Linear, Proximal, Term
 __all__ = [
     "SAM",
     "ClientRows",
+    "ClientStep",
     "Engine",
     "GradResult",
     "Linear",
@@ -41,6 +52,8 @@ __all__ = [
     "OptimConfig",
     "Proximal",
     "RowsPolicy",
+    "StepBatch",
+    "StepsResult",
     "Term",
     "TrainPlan",
     "TrainResult",

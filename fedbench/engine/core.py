@@ -2,9 +2,12 @@
 
 Every algorithm's client work goes through `Engine.train`: cross-entropy plus optional
 loss terms (`terms.py`), an optional frozen-parameter mask, an optional SAM-style second
-gradient at a perturbed point. `Engine` is the front: it builds one `TrainPlan` from the
-call's keywords (`plan.py`), picks a backend (`backend_for`) and hands the plan over. The
-backends implement the same two calls, `train(plan, states)` and `full_grads(plan, states)`:
+gradient at a perturbed point; or, for loops `train` cannot express (pFedMe's inner steps),
+through `Engine.client_steps`: the algorithm's own step function over explicit per-client
+state, run client by client (sequential) or all clients at once (vmap). `Engine` is the
+front: it builds one `TrainPlan` from the call's keywords (`plan.py`), picks a backend
+(`backend_for`) and hands the plan over. The backends implement the same calls,
+`train(plan, states)`, `full_grads(plan, states)` and `client_steps(plan, states, step)`:
 
 - `sequential.SequentialBackend`: one module reused for every client (`flat.FlatModule`);
 - `vmap.VmapBackend`: all clients of a call in one batched computation per step, the GPU's
@@ -35,9 +38,12 @@ from fedbench.engine.optim import OptimConfig
 from fedbench.engine.plan import (
     SAM,
     Backend,
+    ClientStep,
     GradPlan,
     GradResult,
     Objective,
+    StepPlan,
+    StepsResult,
     TrainPlan,
     TrainResult,
 )
@@ -53,7 +59,16 @@ BACKENDS = ("auto", "sequential", "vmap")
 
 log = logging.getLogger("fedbench")
 
-__all__ = ["BACKENDS", "SAM", "Engine", "GradResult", "Objective", "TrainResult"]
+__all__ = [
+    "BACKENDS",
+    "SAM",
+    "ClientStep",
+    "Engine",
+    "GradResult",
+    "Objective",
+    "StepsResult",
+    "TrainResult",
+]
 
 
 class Engine:
@@ -199,6 +214,11 @@ class Engine:
            instead of C small ones: 1.9x faster than the loop on the FMNIST MLP round of
            scripts/bench_engine.py), sequential with convolutions (vmap makes them grouped
            convolutions, 2x slower there than a loop on the FedAvg CNN round).
+
+        `client_steps` (an algorithm's own step function: pFedMe, Per-FedAvg) is chosen the
+        same way (never a custom objective: its batches' `grad` is the cross-entropy). Loops
+        still hand-written per client (`algorithms/_steps.py`: APPLE, Ditto's interleaved
+        mode, FedSLR, pFedHN, PLGU) run on the module, never through this choice.
         """
         if self.backend == "sequential":
             return "sequential"
@@ -266,6 +286,21 @@ class Engine:
         (`FlatModule.grad_at_loaded`: a training step, the module in training mode)."""
         return self.module.grad_at_loaded(x, y, terms, rows, objective, c)
 
+    def grad_at(
+        self,
+        state: torch.Tensor,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        at: torch.Tensor | None = None,
+        terms: Sequence[Term] = (),
+        rows=(),
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, gradient [P]) of one flat `state` on (x, y), a training step; the state's
+        buffers updated in place (`FlatModule.grad_at`: the step of hand-written per-client
+        loops, `algorithms/_steps.grad_at`, and of the sequential `client_steps`)."""
+        return self.module.grad_at(state, x, y, at=at, terms=terms, rows=rows)
+
     # ------------------------------------------------------------------ training
     def train(
         self,
@@ -314,6 +349,41 @@ class Engine:
         # (FedBABU fine-tunes its personalized models there)
         with torch.enable_grad():
             return self.backends[backend].train(plan, states)
+
+    # ------------------------------------------------------------------ client steps
+    def client_steps(
+        self,
+        states: dict[str, torch.Tensor],
+        clients: Sequence[int],
+        step: ClientStep,
+        *,
+        batch_size: int,
+        epochs: int | None = None,
+        steps: int | None = None,
+        round: int = 0,
+        salt: int = 0,
+    ) -> StepsResult:
+        """Run `step(state, batch) -> (state, aux)` over each client's batches (`batches`'
+        schedule for the same arguments: the same batches and crops), from row c of every
+        tensor of `states` ({name: [C, ...]}) for client `clients[c]`; returns the rows after
+        the clients' last steps and each step's aux (`plan.ClientStep`, `StepsResult`).
+
+        `batch.grad(rows [k, D])` is the batched primitive: each client's loss [k] and
+        gradient [k, P] of the cross-entropy on its own batch, its buffers updated in place.
+        Sequential: client after client with k = 1 (`FlatModule.grad_at`, a hand-written
+        loop's numbers); vmap: at step s, every client that has an s-th batch at once.
+        """
+        plan = StepPlan(
+            tuple(int(c) for c in clients),
+            batch_size,
+            epochs=epochs,
+            steps=steps,
+            round=round,
+            salt=salt,
+        )
+        backend = self.backend_for(len(plan.clients))
+        with torch.enable_grad():
+            return self.backends[backend].client_steps(plan, states, step)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()

@@ -5,7 +5,9 @@ flat vectors, so loading a client's state is one copy.
 `FlatModule.grad` [P] own the memory; `load(state)` copies a client's row in, a plain
 forward/backward (`grad_at_loaded`) accumulates straight into `grad`. The sequential backend
 trains and computes full gradients on it, the engine evaluates on it, and the hand-written
-loops of `fedbench/algorithms/_steps.py` step on it (`Engine.load`, `Engine.grad_at_loaded`).
+loops of `fedbench/algorithms/_steps.py` and the sequential `Engine.client_steps` step on it
+(`grad_at`, `Engine.grad_at`: a state's gradient, its buffers updated as the forward
+left them).
 """
 
 from __future__ import annotations
@@ -81,3 +83,32 @@ class FlatModule:
         if terms:
             loss = loss + self._terms_grad(self.params, terms, rows)
         return loss
+
+    def grad_at(
+        self,
+        state: torch.Tensor,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        at: torch.Tensor | None = None,
+        terms: Sequence[Term] = (),
+        rows=(),
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, gradient [P]) of the flat `state` [D] (evaluated at state + `at` when given)
+        on (x, y), a training step (`grad_at_loaded`). The gradient is a tensor of its own
+        (not `grad`, which the next call overwrites); `state`'s buffers (running statistics)
+        are updated in place as the forward updated the module's. A perturbed evaluation is
+        done as the sequential backend does SAM: add `at` in place, forward/backward, subtract.
+        """
+        P = self.spec.n_params
+        if at is not None:
+            state[:P].add_(at)
+        self.load(state)
+        loss = self.grad_at_loaded(x, y, terms, rows)
+        if at is not None:
+            state[:P].sub_(at)
+        if self.spec.has_buffers:
+            buffers = dict(self.model.named_buffers())
+            for e in self.spec.buffers:
+                state[e.start : e.stop] = buffers[e.name].reshape(-1)
+        return loss, self.grad.clone()

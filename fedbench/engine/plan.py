@@ -7,11 +7,20 @@ the same with a `GradPlan`. A backend is any object with
 
     train(plan: TrainPlan, states [C, D]) -> TrainResult
     full_grads(plan: GradPlan, states [C, D]) -> GradResult
+    client_steps(plan: StepPlan, states {name: [C, ...]}, step: ClientStep) -> StepsResult
 
 (`Backend`, as FedJAX's `for_each_client` backends share one signature). Both of fedbench's
 (`sequential.SequentialBackend`, `vmap.VmapBackend`) are given what they need when they are
 built (the model and its `ModelSpec`, the federation's batches, the `Schedule`, the
 `OptimStates` store, the `MemoryModel`); neither imports the engine.
+
+`client_steps` is the client-step vocabulary for client work that `train` cannot express
+(pFedMe's inner loops): the algorithm writes one step of one client's loop as a function of
+explicit state, `step(state, batch) -> (state, aux)`, where `state` holds rows [k, ...] of
+the k clients that take this step and `batch.grad(states [k, D])` is the batched primitive
+(per-client loss [k] and gradient [k, P], buffers updated in place). The sequential backend
+calls it with k = 1, client after client, on its module (`FlatModule.grad_at`); the vmap
+backend with all clients that still have a batch at step s at once (`torch.func`).
 """
 
 from __future__ import annotations
@@ -116,6 +125,67 @@ class GradResult:
     buffers: torch.Tensor  # [C, D - P] buffers after the pass (unchanged on vmap)
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """One `Engine.client_steps` call: the clients (position c: row c of every state) and
+    their batch schedules (`Schedule.of`: batch size, epochs or steps, round, salt)."""
+
+    clients: tuple[int, ...]
+    batch_size: int
+    epochs: int | None = None
+    steps: int | None = None
+    round: int = 0
+    salt: int = 0
+
+
+class StepBatch(Protocol):
+    """The t-th batches of the k clients taking a step (`ClientStep`'s second argument);
+    `index` is t, the step's position in each client's schedule (the same for all k)."""
+
+    index: int
+
+    def grad(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss [k], gradient [k, P]) of each client's cross-entropy on its own batch at its
+        flat state (row of `states` [k, D]), in training mode; each row's buffers (BatchNorm
+        running statistics) are updated in place as that client's forward updated them."""
+        ...
+
+
+# One step of a client's loop: step(state, batch) -> (state, aux). `state` maps names to rows
+# [k, ...] of the k clients taking this step (update them in place, or return new tensors
+# of the same shapes); `aux` is None or a tensor [k, ...] kept per step (`StepsResult.aux`).
+ClientStep = Callable[
+    [dict[str, torch.Tensor], StepBatch],
+    tuple[dict[str, torch.Tensor], torch.Tensor | None],
+]
+
+
+def write_back(rows: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+    """Copy a step function's returned state into its rows (those it updated in place are
+    the rows themselves)."""
+    for name, v in new.items():
+        if v is not rows[name]:
+            rows[name].copy_(v)
+
+
+@dataclass
+class StepsResult:
+    states: dict[str, torch.Tensor]  # {name: [C, ...]} after the clients' steps, call order
+    aux: torch.Tensor | None  # [S, C, ...] each step's aux (0 past a client's last step)
+    steps: list[int]  # number of steps each client took
+
+    def client_mean(self) -> torch.Tensor:
+        """[C]: each client's mean of all its steps' aux values (0 without steps): one mean
+        per client, over the values in step order (as a per-client loop would take it)."""
+        if self.aux is None:
+            raise ValueError("the step function returned no aux values")
+        out = torch.zeros(len(self.steps), device=self.aux.device)
+        for c, n in enumerate(self.steps):
+            if n:
+                out[c] = self.aux[:n, c].reshape(-1).mean()
+        return out
+
+
 class Backend(Protocol):
     """What the engine asks of a backend (`sequential.py`, `vmap.py`)."""
 
@@ -124,3 +194,7 @@ class Backend(Protocol):
     def train(self, plan: TrainPlan, states: torch.Tensor) -> TrainResult: ...
 
     def full_grads(self, plan: GradPlan, states: torch.Tensor) -> GradResult: ...
+
+    def client_steps(
+        self, plan: StepPlan, states: dict[str, torch.Tensor], step: ClientStep
+    ) -> StepsResult: ...

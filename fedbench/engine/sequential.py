@@ -12,7 +12,8 @@ update in the forward, as in any PyTorch training step), dropout, custom objecti
 augmentation (as the `Schedule` draws it per client and batch). `full_grads` reads each
 client's whole training set in blocks without augmentation, the module in training mode
 (BatchNorm on the block's statistics; the buffers after the pass come back as
-`GradResult.buffers`).
+`GradResult.buffers`). `client_steps` runs an algorithm's step function client after client
+with k = 1, its gradients from `FlatModule.grad_at` (what hand-written loops call).
 """
 
 from __future__ import annotations
@@ -22,9 +23,29 @@ import torch.nn.functional as F
 
 from fedbench.engine.flat import FlatModule
 from fedbench.engine.optim import step_
-from fedbench.engine.plan import GradPlan, GradResult, TrainPlan, TrainResult
+from fedbench.engine.plan import (
+    ClientStep,
+    GradPlan,
+    GradResult,
+    StepPlan,
+    StepsResult,
+    TrainPlan,
+    TrainResult,
+    write_back,
+)
 from fedbench.engine.schedule import Schedule
 from fedbench.engine.store import OptimStates
+
+
+class OneClient:
+    """One client's batch of a step (`StepBatch` with k = 1), its gradients on the module."""
+
+    def __init__(self, module: FlatModule, x: torch.Tensor, y: torch.Tensor, index: int) -> None:
+        self.module, self.x, self.y, self.index = module, x, y, index
+
+    def grad(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, g = self.module.grad_at(states[0], self.x, self.y)
+        return loss[None], g[None]
 
 
 class SequentialBackend:
@@ -112,3 +133,26 @@ class SequentialBackend:
                 grads[c] = mod.grad
             bufs[c] = mod.state[P:]
         return GradResult(losses, grads, bufs)
+
+    def client_steps(
+        self, plan: StepPlan, states: dict[str, torch.Tensor], step: ClientStep
+    ) -> StepsResult:
+        """Each client's loop in turn: `step` on its rows [1, ...] for each of its batches."""
+        clients = plan.clients
+        out = {n: v.clone(memory_format=torch.contiguous_format) for n, v in states.items()}
+        sched = [self.schedule.of(plan, c) for c in clients]
+        S = max((len(lens) for _, lens in sched), default=0)
+        aux: torch.Tensor | None = None
+        self.module.model.train()
+        for c, client in enumerate(clients):
+            idx, lens = sched[c]
+            draws = self.schedule.draws_of(plan, client, idx)
+            rows = {n: v[c : c + 1] for n, v in out.items()}  # views
+            for s, (x, y) in enumerate(self.schedule.read(idx, lens, draws)):
+                new, a = step(rows, OneClient(self.module, x, y, s))
+                write_back(rows, new)
+                if a is not None:
+                    if aux is None:
+                        aux = a.new_zeros(S, len(clients), *a.shape[1:])
+                    aux[s, c] = a[0]
+        return StepsResult(out, aux, [len(lens) for _, lens in sched])

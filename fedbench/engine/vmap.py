@@ -28,6 +28,10 @@ Equal to the sequential backend, by construction:
   same length (one group except at an epoch's short last batch), each on its real samples.
 - Augmentation (`data.augment`) crops and flips as the `Schedule`'s draws say, keyed by
   (seed, round, client, salt) and the batch: the sequential backend's crops and flips.
+- `client_steps` (an algorithm's own step function, `plan.ClientStep`) walks the same
+  stacked schedules step by step: at step s the clients that still have a batch (a prefix,
+  longest first) take it together; their `MappedBatch.grad` is the mapped gradient of the
+  same `_loss`, in the same groups of batch lengths, buffers as above.
 
 Full gradients (`full_grads`, FedPG's client reports): each client's whole training set,
 padded to the longest with weight 0 and each real sample weighted 1/n_c, one batched pass per
@@ -55,9 +59,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from fedbench.engine.memory import MemoryModel
+from fedbench.engine.memory import GRAD_ROWS, STEP_ROWS, MemoryModel
 from fedbench.engine.optim import OptimConfig, step_
-from fedbench.engine.plan import SAM, GradPlan, GradResult, TrainPlan, TrainResult
+from fedbench.engine.plan import (
+    SAM,
+    ClientStep,
+    GradPlan,
+    GradResult,
+    StepPlan,
+    StepsResult,
+    TrainPlan,
+    TrainResult,
+    write_back,
+)
 from fedbench.engine.schedule import Schedule
 from fedbench.engine.spec import ModelSpec
 from fedbench.engine.store import OptimStates
@@ -106,6 +120,7 @@ class VmapBackend:
         # as per-client counters, their counts added to the module's (the sequential count)
         self.counters = [n for n, b in model.named_buffers() if not b.is_floating_point()]
         self.batch_stats = batch_statistics(model)
+        self._plain = None  # `_plain_grad`, built on first use
 
     def _buffers(self, states: torch.Tensor) -> dict[str, torch.Tensor]:
         """Copies of `states`' buffers, one contiguous [C, *shape] per buffer (a batched
@@ -266,6 +281,56 @@ class VmapBackend:
 
         return loss
 
+    # ------------------------------------------------------------------ client steps
+    def client_steps(
+        self, plan: StepPlan, states: dict[str, torch.Tensor], step: ClientStep
+    ) -> StepsResult:
+        """All clients' loops at once: at step s, `step` on the rows [k, ...] of the k clients
+        that still have a batch (a chunk's clients ordered longest first: a prefix, views)."""
+        clients, dev = plan.clients, self.device
+        C = len(clients)
+        out = {n: v.clone(memory_format=torch.contiguous_format) for n, v in states.items()}
+        sched = [self.schedule.of(plan, c) for c in clients]
+        S = max((len(lens) for _, lens in sched), default=0)
+        B = max((idx.shape[1] for idx, _ in sched), default=1)
+        # parameter rows per client: the gradient's, the step's temporaries and the states'
+        n_state = sum(v[0].numel() for v in out.values())
+        rows = GRAD_ROWS + STEP_ROWS + -(-n_state // self.spec.n_params)
+        kc = self.memory.chunk_size(C, self.memory.client_bytes(rows, B))
+        order = sorted(range(C), key=lambda c: -len(sched[c][1]))
+        aux: torch.Tensor | None = None
+        self.model.train()
+        for lo in range(0, C, kc):
+            mine = order[lo : lo + kc]
+            pos = torch.tensor(mine, device=dev)
+            st = {n: v[pos] for n, v in out.items()}  # copies, in the chunk's order
+            idx, wt, n_steps = stack_schedules([sched[c] for c in mine], dev)
+            draws = [self.schedule.draws_of(plan, clients[c], sched[c][0]) for c in mine]
+            aug = stack_draws(draws, idx.shape, dev)
+            Sc, _, Bc = idx.shape
+            training = [sum(n > s for n in n_steps) for s in range(Sc)]
+            lens = (wt > 0).sum(-1).tolist() if self.batch_stats else [[Bc] * len(mine)] * Sc
+            for s, k in enumerate(training):
+                ix = idx[s, :k].reshape(-1)
+                x, y = self.schedule.batch(ix, None if aug is None else aug[s, :k].reshape(-1, 3))
+                x, y = x.view(k, Bc, *x.shape[1:]), y.view(k, Bc)
+                view = {n: v[:k] for n, v in st.items()}
+                new, a = step(view, MappedBatch(self, x, y, wt[s, :k], lens[s][:k], s))
+                write_back(view, new)
+                if a is not None:
+                    if aux is None:
+                        aux = a.new_zeros(S, C, *a.shape[1:])
+                    aux[s, pos[:k]] = a
+            for n, v in st.items():
+                out[n][pos] = v
+        return StepsResult(out, aux, [len(lens) for _, lens in sched])
+
+    def _plain_grad(self):
+        """The mapped (gradient, loss) of the plain cross-entropy, built once."""
+        if self._plain is None:
+            self._plain = vmap(grad_and_value(self._loss(())))
+        return self._plain
+
     # ------------------------------------------------------------------ full gradients
     def full_grads(self, plan: GradPlan, states: torch.Tensor) -> GradResult:
         """Each client's mean loss (and gradient) over its training set at row c of `states`:
@@ -322,6 +387,38 @@ class VmapBackend:
                             bufs[name][sel] = t
             self._keep_buffers(out, slice(lo, lo + k), bufs)
         return GradResult(losses, grads, out[:, P:])
+
+
+class MappedBatch:
+    """The step's batches of k clients (`StepBatch`): x [k, B, ...], y [k, B], sample
+    weights wt [k, B] (1/len, 0 on padding) and each batch's real length."""
+
+    def __init__(self, backend: VmapBackend, x, y, wt, lens: list[int], index: int) -> None:
+        self.backend, self.x, self.y, self.wt, self.lens = backend, x, y, wt, lens
+        self.index = index
+
+    def grad(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        be = self.backend
+        P, k, B = be.spec.n_params, states.shape[0], self.x.shape[1]
+        fn = be._plain_grad()
+        W, bufs = states[:, :P], be._buffers(states)
+        groups = be._groups(self.lens, B)
+        if len(groups) == 1 and isinstance(groups[0][0], slice):  # all k clients: no copies
+            n = groups[0][1]
+            g, loss = fn(W, bufs, self.x[:, :n], self.y[:, :n], self.wt[:, :n])
+        else:
+            g = states.new_zeros(k, P)
+            loss = states.new_zeros(k)
+            for sel, n in groups:
+                b = {name: v[sel] for name, v in bufs.items()}
+                x, y, wt = self.x[sel, :n], self.y[sel, :n], self.wt[sel, :n]
+                g[sel], loss[sel] = fn(W[sel], b, x, y, wt)
+                if isinstance(sel, torch.Tensor):
+                    for name, v in b.items():
+                        bufs[name][sel] = v
+        if bufs:
+            be._keep_buffers(states, slice(None), bufs)
+        return loss.detach(), g.detach()
 
 
 def stack_draws(
