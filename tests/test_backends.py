@@ -63,8 +63,8 @@ def run_rounds(name: str, backend: str, monkeypatch, rounds: int = 2, image=None
     chosen: list[str] = []
     choose = Engine.backend_for
 
-    def spy(self, n_clients, objective=None):
-        chosen.append(choose(self, n_clients, objective))
+    def spy(self, n_clients, objective=None, **kw):
+        chosen.append(choose(self, n_clients, objective, **kw))
         return chosen[-1]
 
     with monkeypatch.context() as m:

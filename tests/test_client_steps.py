@@ -82,3 +82,16 @@ def test_step_index_and_rows_of_the_clients_still_stepping():
     assert res.states["n"].flatten().tolist() == [5.0, 3.0, 7.0]
     # longest first: at steps 0-2 all three, 3-4 two, 5-6 one
     assert seen == [(0, 3), (1, 3), (2, 3), (3, 2), (4, 2), (5, 1), (6, 1)]
+
+
+@pytest.mark.quick
+def test_auto_runs_step_functions_sequentially_on_a_cpu_and_batched_on_cuda(monkeypatch):
+    """On a CPU a step function's [k, P] row updates outgrow the cache (pFedMe was slower on
+    vmap), so auto keeps it client by client (bit-identical to the loops it replaced); train
+    calls still map the MLP; on CUDA both map."""
+    fed = TinyFed()
+    eng = Engine(fed, build_model("mlp", fed.input_shape, 3, hidden=[8]), device="cpu")
+    assert eng.backend_for(3, client_steps=True) == "sequential"
+    assert eng.backend_for(3) == "vmap"
+    monkeypatch.setattr(eng, "device", torch.device("cuda"))
+    assert eng.backend_for(3, client_steps=True) == "vmap"
