@@ -203,8 +203,8 @@ class Probes:
         backend_for, grad_at, full_grads = self.saved.values()
         probes = self
 
-        def traced_backend_for(eng, n_clients, objective=None):
-            choice = backend_for(eng, n_clients, objective)
+        def traced_backend_for(eng, n_clients, objective=None, **kw):
+            choice = backend_for(eng, n_clients, objective, **kw)
             if probes.trace is not None:
                 probes.trace.backends[choice] += 1
             return choice

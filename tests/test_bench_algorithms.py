@@ -79,3 +79,21 @@ def test_quick_run_writes_the_table(tmp_path):
     _script().main(["--render", str(out / "raw.json"), "--out", str(again)])
     assert (again / "algorithms.md").read_text() == text
     assert (again / "algorithms.csv").read_text() == (out / "algorithms.csv").read_text()
+
+
+@pytest.mark.quick
+def test_the_probes_pass_every_argument_through():
+    """The traced Engine methods take what the real ones take (`backend_for`'s keyword
+    `client_steps` once made every pFedMe and Per-FedAvg row an error) and still count."""
+    from conftest import TinyFed
+    from fedbench.engine import Engine
+    from fedbench.models import build_model
+
+    mod = _script()
+    fed = TinyFed()
+    eng = Engine(fed, build_model("mlp", fed.input_shape, 3, hidden=[8]), device="cpu")
+    with mod.Probes() as probes:
+        probes.trace = mod.Trace()
+        assert eng.backend_for(3, client_steps=True) == "sequential"
+        assert eng.backend_for(3) == "vmap"
+    assert probes.trace.backends == {"sequential": 1, "vmap": 1}
