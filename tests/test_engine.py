@@ -195,9 +195,8 @@ def bn_mlp(dim=6, classes=3):
 
 
 def test_grad_at_trains_after_an_evaluation_and_returns_its_own_gradient(tiny_fed):
-    """An evaluation leaves the module in eval mode; a hand-written step (`_steps.grad_at`)
+    """An evaluation leaves the module in eval mode; a hand-written step (`Engine.grad_at`)
     still normalizes with the batch and updates the running statistics (issue 14.1)."""
-    from fedbench.algorithms._steps import grad_at
 
     eng = Engine(tiny_fed, bn_mlp(), device="cpu")
     s = eng.initial_state()
@@ -210,12 +209,12 @@ def test_grad_at_trains_after_an_evaluation_and_returns_its_own_gradient(tiny_fe
     nn.functional.cross_entropy(ref(x), y).backward()
     want = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
     before = s[P:].clone()
-    loss, g = grad_at(eng, s, x, y)
+    loss, g = eng.grad_at(s, x, y)
     assert eng.model.training
     torch.testing.assert_close(g, want)
     assert not torch.equal(s[P:], before)  # running statistics moved
     torch.testing.assert_close(s[P:], eng.spec.flatten(ref)[P:])
-    g2 = grad_at(eng, s, x[:4], y[:4])[1]
+    g2 = eng.grad_at(s, x[:4], y[:4])[1]
     torch.testing.assert_close(g, want)  # not overwritten by the next call
     assert not torch.equal(g, g2)
 

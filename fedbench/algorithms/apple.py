@@ -46,7 +46,6 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._about import About
-from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import fraction, nonneg
 from fedbench.engine.optim import step_
@@ -106,7 +105,7 @@ class APPLE(Algorithm):
         losses = []
         for x, y in eng.batches(i, self.run.batch_size, epochs=self.run.local_epochs, round=t):
             state = torch.cat([p @ cores[:, :P], own[P:]])
-            loss, g = grad_at(eng, state, x, y)  # updates state's running statistics
+            loss, g = eng.grad_at(state, x, y)  # updates state's running statistics
             own[P:] = state[P:]
             losses.append(loss)
             grad_p = cores[:, :P] @ g + 2 * reg * (p - self.p0)  # at the same point as g

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._about import About
-from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, TrainedOrGlobal
 from fedbench.algorithms.params import Weighting, hp, nonneg
 from fedbench.engine import Proximal
@@ -75,9 +74,9 @@ class Ditto(TrainedOrGlobal, Algorithm):
         st_g = eng.optim_states.get(self.optim, "main", i, w[:P])
         losses = []
         for x, y in eng.batches(i, self.run.batch_size, epochs=self.run.local_epochs, round=t):
-            _, g = grad_at(eng, theta, x, y, terms=[prox], rows=[prox.rows(0)])
+            _, g = eng.grad_at(theta, x, y, terms=[prox], rows=[prox.rows(0)])
             step_(self.optim, theta[:P], g, st_p, lr)
-            loss, g = grad_at(eng, w, x, y)
+            loss, g = eng.grad_at(w, x, y)
             losses.append(loss)
             step_(self.optim, w[:P], g, st_g, lr)
         eng.optim_states.keep(self.optim, "personal", i, st_p)

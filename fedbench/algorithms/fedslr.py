@@ -51,7 +51,6 @@ from torch import nn
 
 from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import dynamic_clients, dynamic_server
-from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import nonneg, positive
 from fedbench.engine.prox import (
@@ -142,7 +141,7 @@ class FedSLR(Algorithm):
             i, self.run.batch_size, epochs=self.hp.fusion_epochs, round=t, salt=1
         ):
             state[:P] = base[:P] + p
-            loss, g = grad_at(eng, state, x, y)
+            loss, g = eng.grad_at(state, x, y)
             p = p - lr * (g + wd * p)
             if thr > 0:
                 p = soft_threshold(p, thr)

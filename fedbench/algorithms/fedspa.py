@@ -32,7 +32,6 @@ import torch
 
 from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import topk_lowest_index
-from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import fraction, hp
 
@@ -89,7 +88,7 @@ class FedSpa(Algorithm):
         if rate <= 0:
             return
         x, y = next(self.engine.batches(i, self.run.batch_size, steps=1, round=t, salt=3))
-        _, g = grad_at(self.engine, state.clone(), x, y)
+        _, g = self.engine.grad_at(state.clone(), x, y)
         m = self.masks[i]
         for e in self.layers:
             sl = slice(e.start, e.stop)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._about import About
-from fedbench.algorithms._steps import clip_, grad_at
+from fedbench.algorithms._steps import clip_
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import hp, nonneg, positive
 from fedbench.engine import ModelSpec, OptimConfig
@@ -208,7 +208,7 @@ class PFedHN(Algorithm):
         sched = {"epochs": epochs} if epochs else {"steps": self.hp.inner_steps}
         losses = []
         for x, y in self.engine.batches(i, self.run.batch_size, round=t, **sched):
-            loss, g = grad_at(self.engine, s, x, y)
+            loss, g = self.engine.grad_at(s, x, y)
             losses.append(loss)
             clip_(g, self.hp.inner_clip)
             step_(self.inner_optim, s[:P], g, st, self.inner_optim.lr)

@@ -44,7 +44,7 @@ visit), each through `receive` as a model with ref = the state the client traine
 Buffers: PLGU-LF: w's averaged (weights >= 0: w + sum a_i (w_i - w) with a_i >= 0 summing to 1
 is a convex mix), theta_i keeps its own (kept local); PLGU-GRep: averaged (weights >= 0)
 with the body, as FedRep; PLGU-GHN: shared and averaged by sample count, as pFedHN.
-Every hand-written step runs in training mode (`_steps.grad_at`).
+Every hand-written step runs in training mode (`Engine.grad_at`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._about import About
-from fedbench.algorithms._steps import grad_at
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, TrainedOrGlobal
 from fedbench.algorithms.fedrep import FedRep
 from fedbench.algorithms.params import Weighting, hp, nonneg
@@ -158,13 +157,13 @@ class PLGULF(TrainedOrGlobal, Algorithm):
         st_u = eng.optim_states.get(self.optim, "universal", i, w[:P])
         losses = []
         for x, y in eng.batches(i, self.run.batch_size, epochs=self.run.local_epochs, round=t):
-            loss, g = grad_at(eng, theta, x, y)  # (a) g = grad F_b(theta_i)
+            loss, g = eng.grad_at(theta, x, y)  # (a) g = grad F_b(theta_i)
             losses.append(loss)
             eps = sam.perturbation(g, sam.scale)  # (b) eps from the same g
             step_(self.optim, theta[:P], g, st_p, lr)  # (a) theta_i <- theta_i - eta g
             if self.hp.ascent_grad == "universal":  # (b) instead: ascent gradient at w_i (SAM)
-                eps = sam.perturbation(grad_at(eng, w, x, y)[1], sam.scale)
-            _, g = grad_at(eng, w, x, y, at=eps)  # (c) g~ = grad F_b(w_i + eps)
+                eps = sam.perturbation(eng.grad_at(w, x, y)[1], sam.scale)
+            _, g = eng.grad_at(w, x, y, at=eps)  # (c) g~ = grad F_b(w_i + eps)
             step_(self.optim, w[:P], g, st_u, lr)  # w_i <- w_i - eta g~
         eng.optim_states.keep(self.optim, "personal", i, st_p)
         eng.optim_states.keep(self.optim, "universal", i, st_u)
@@ -219,13 +218,13 @@ class PLGUGRep(FedRep):
                 ref = self.uploaded[i]
             steps = self.hp.body_steps
             for x, y in eng.batches(i, self.run.batch_size, steps=steps, round=t, salt=2):
-                loss, g = grad_at(eng, s, x, y)  # eq. 11: phi_i = phi - eta g
+                loss, g = eng.grad_at(s, x, y)  # eq. 11: phi_i = phi - eta g
                 losses.append(loss)
                 self.body_step(s, g, lr)
                 xi = normalize_scores(layer_scores(s, ref, self.body_layers), self.rule)  # eq. 10
-                _, g = grad_at(eng, s, x, y)  # eq. 12: eps from the body gradient at phi_i
+                _, g = eng.grad_at(s, x, y)  # eq. 12: eps from the body gradient at phi_i
                 eps = lwsam_perturbation(g * body, xi, self.body_layers, rho)
-                _, g = grad_at(eng, s, x, y, at=eps)  # eq. 13: phi~_i = phi_i - eta g(phi_i + eps)
+                _, g = eng.grad_at(s, x, y, at=eps)  # eq. 13: phi~_i = phi_i - eta g(phi_i + eps)
                 self.body_step(s, g, lr)
             if self.uploaded is not None:
                 self.uploaded[i] = s

@@ -279,7 +279,7 @@ class Engine:
     @property
     def grad(self) -> torch.Tensor:
         """The flat gradient buffer [P] the last `grad_at_loaded` left (the module's .grad
-        views); the next call overwrites it: copy it to keep it (`_steps.grad_at` does)."""
+        views); the next call overwrites it: copy it to keep it (`grad_at` does)."""
         return self.module.grad
 
     def grad_at_loaded(
@@ -307,7 +307,7 @@ class Engine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, gradient [P]) of one flat `state` on (x, y), a training step; the state's
         buffers updated in place (`FlatModule.grad_at`: the step of hand-written per-client
-        loops, `algorithms/_steps.grad_at`, and of the sequential `client_steps`)."""
+        loops, `algorithms/_steps.py`, and of the sequential `client_steps`)."""
         return self.module.grad_at(state, x, y, at=at, terms=terms, rows=rows)
 
     # ------------------------------------------------------------------ training
