@@ -418,6 +418,7 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
     from fedbench.algorithms import ALGORITHMS
     from fedbench.algorithms._server import ServerOptSettings
     from fedbench.algorithms.params import typed_params
+    from fedbench.models import MODELS
 
     source = {k: v for k, v in plain(cfg).items() if k != "hydra"}
     node = dict(source)
@@ -441,12 +442,13 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
     algo = str(groups["algo"]["name"])
     algo_cls = ALGORITHMS.get(algo)
     params = typed_params(groups["algo"], algo_cls.Params, algo)
-    if server_opt.name != "none" and not algo_cls.server_optimizable:
-        able = sorted(n for n in ALGORITHMS.names() if ALGORITHMS.get(n).server_optimizable)
-        raise ConfigError(
-            f"server_opt={server_opt.name}: algo={algo}'s server does not average uploads into "
-            f"one model; a server optimizer applies to {', '.join(able)}"
-        )
+    attack = node.get("attack") or {}
+    algo_cls.check_needs(
+        params,
+        model=MODELS.get(str(groups["model"]["name"])),
+        attack=str(attack.get("kind", "none")) != "none",
+        server_opt=server_opt.name,
+    )
     run = build_params(node, RunParams)
     out = RunConfig(
         **{f.name: getattr(run, f.name) for f in fields(RunParams)},

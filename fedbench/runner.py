@@ -33,7 +33,7 @@ from tqdm import tqdm
 import fedbench
 from fedbench import checkpoint
 from fedbench.algorithms import ALGORITHMS
-from fedbench.algorithms.base import FLOAT_BYTES, RoundReport
+from fedbench.algorithms.base import FLOAT_BYTES, RoundReport, RunContext, RunSettings
 from fedbench.attack import Attack
 from fedbench.checkpoint import (  # noqa: F401 (CHECKPOINT ... finished_run: imported from here too)
     ABSENT_MEANS,
@@ -269,12 +269,10 @@ class Run:
         )
         # malicious clients (fedbench/attack.py): they act in Algorithm.receive only
         self.attack = Attack.from_config(rc)  # seeds its own generators, not torch's
-        self.algo = algo_cls(rc, self.fed, self.engine, self.model_fn, attack=self.attack)
-        if self.attack is not None and not algo_cls.attackable:
-            raise ConfigError(
-                f"attack.kind={rc.attack.kind}: algo={rc.algo.name} does not route its "
-                "uploads through Algorithm.receive, so the attack cannot reach it"
-            )
+        ctx = RunContext(
+            self.fed, self.engine, self.model_fn, RunSettings.from_config(rc), self.attack
+        )
+        self.algo = algo_cls(ctx, rc.algo.params)
         self.honest = None if self.attack is None else self.attack.honest
         self._warned_collapse = False  # one warning per run when an attacked run diverges
         self._ckpt_logged = False  # the checkpoint's size is logged once

@@ -118,7 +118,7 @@ def measure(args) -> list[dict]:
         cfg = task_config(cfg)
         torch.manual_seed(0)
         engine = Engine(fed, model_fn(), device="cpu", eval_batch_size=args.test)
-        algo = ALGORITHMS.get(name)(load_config(cfg), fed, engine, model_fn)
+        algo = ALGORITHMS.get(name).from_config(load_config(cfg), fed, engine, model_fn)
         if hasattr(algo, "seen"):
             algo.seen[:] = True  # every client deploys its own row
         honest = None

@@ -507,7 +507,9 @@ def check_eval_memory(device: str) -> tuple[str, str, dict]:
     for name in ("fedavg", "ditto", "fedrep", "plgu_grep"):
         torch.manual_seed(0)
         engine = Engine(fed, model_fn(), device=device, eval_batch_size=64)
-        algo = ALGORITHMS.get(name)(load_config(compose([f"algo={name}"])), fed, engine, model_fn)
+        algo = ALGORITHMS.get(name).from_config(
+            load_config(compose([f"algo={name}"])), fed, engine, model_fn
+        )
         if hasattr(algo, "seen"):
             algo.seen[:] = True  # every client deploys its own row
         D = engine.n_state

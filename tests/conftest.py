@@ -170,7 +170,7 @@ def make_algo(
     else:
         model_fn = partial(model_fn, fed)
     eng = Engine(fed, model_fn(), device=TEST_DEVICE, backend=backend)
-    return ALGORITHMS.get(algo)(load_config(cfg), fed, eng, model_fn), eng, fed
+    return ALGORITHMS.get(algo).from_config(load_config(cfg), fed, eng, model_fn), eng, fed
 
 
 def run_small(tmp_path, overrides: list[str], rounds: int = 5, base: list[str] = SMALL_FMNIST):

@@ -32,7 +32,7 @@ def bn_algo(name: str, extra=()):
     cfg = compose([f"algo={name}", "batch_size=64", "optim.lr=0.1", *extra])
     torch.manual_seed(0)
     eng = Engine(fed, bn_mlp(), device="cpu")
-    return ALGORITHMS.get(name)(load_config(cfg), fed, eng, bn_mlp), eng, fed
+    return ALGORITHMS.get(name).from_config(load_config(cfg), fed, eng, bn_mlp), eng, fed
 
 
 def far_apart(states: torch.Tensor, n_params: int) -> None:

@@ -82,14 +82,14 @@ def test_every_algorithms_state_is_data_and_restores_exactly(tmp_path, name):
                    "optim.persist_state=true", "optim.momentum=0.9"])  # fmt: skip
     torch.manual_seed(0)
     eng = Engine(fed, bn_mlp(), device="cpu")
-    algo = ALGORITHMS.get(name)(load_config(cfg), fed, eng, bn_mlp)
+    algo = ALGORITHMS.get(name).from_config(load_config(cfg), fed, eng, bn_mlp)
     algo.round(0, [0, 1, 2])
     state = {**minimal_state(), "algo": algo.state_dict(), "engine": eng.state_dict()}
     save(tmp_path / "checkpoint.pt", state)
     back, _ = load_run_state(tmp_path / "checkpoint.pt")  # per-client rows from their shards
     torch.manual_seed(1)
     eng2 = Engine(fed, bn_mlp(), device="cpu")
-    fresh = ALGORITHMS.get(name)(load_config(cfg), fed, eng2, bn_mlp)
+    fresh = ALGORITHMS.get(name).from_config(load_config(cfg), fed, eng2, bn_mlp)
     fresh.load_state_dict(back["algo"])
     eng2.load_state_dict(back["engine"])
 

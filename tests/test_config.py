@@ -117,8 +117,12 @@ def test_an_algorithm_takes_the_typed_config():
     fed = TinyFed()
     model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8])  # noqa: E731
     rc = load_config(compose(["algo=fedprox", "algo.mu=0.5", "batch_size=8"]))
-    algo = ALGORITHMS.get("fedprox")(rc, fed, Engine(fed, model_fn(), device="cpu"), model_fn)
+    algo = ALGORITHMS.get("fedprox").from_config(
+        rc, fed, Engine(fed, model_fn(), device="cpu"), model_fn
+    )
     assert algo.hp is rc.algo.params and algo.run.server_opt is rc.server_opt
     assert algo.run.optimizer.betas == tuple(rc.optim.betas)
     with pytest.raises(ConfigError, match="algo=fedprox"):
-        ALGORITHMS.get("fedavg")(rc, fed, Engine(fed, model_fn(), device="cpu"), model_fn)
+        ALGORITHMS.get("fedavg").from_config(
+            rc, fed, Engine(fed, model_fn(), device="cpu"), model_fn
+        )

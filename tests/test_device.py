@@ -64,7 +64,7 @@ def _on_meta(algo: str, backend: str = "auto", extra=(), rounds: int = 1):
     model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8])  # noqa: E731
     eng = Engine(fed, model_fn(), device="meta", backend=backend)
     with _past_masks():
-        algo_obj = ALGORITHMS.get(algo)(load_config(cfg), fed, eng, model_fn)
+        algo_obj = ALGORITHMS.get(algo).from_config(load_config(cfg), fed, eng, model_fn)
         for t in range(rounds):
             algo_obj.round(t, np.arange(fed.num_clients))
     return algo_obj

@@ -83,7 +83,7 @@ def test_round0_is_cross_entropy_then_proximal_from_z_with_partial_participation
     torch.manual_seed(0)
     model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8])  # noqa: E731
     eng = Engine(fed, model_fn(), device="cpu")
-    algo = ALGORITHMS.get("diversifed")(load_config(cfg), fed, eng, model_fn)
+    algo = ALGORITHMS.get("diversifed").from_config(load_config(cfg), fed, eng, model_fn)
     kw = dict(optim=algo.optim, lr=0.1, batch_size=8, epochs=1)
 
     w0 = algo.w.clone()

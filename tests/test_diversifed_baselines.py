@@ -274,7 +274,7 @@ def test_second_engines_take_the_runs_chunking_and_memory_budget():
             fed, model_fn(), device="cpu", seed=5, backend="vmap", drop_last=True,
             eval_batch_size=7, chunk_clients=2, memory_budget=0.25,
         )  # fmt: skip
-        trainer = ALGORITHMS.get(name)(load_config(cfg), fed, eng, model_fn).trainer
+        trainer = ALGORITHMS.get(name).from_config(load_config(cfg), fed, eng, model_fn).trainer
         got = {k: getattr(trainer, k) for k in ("chunk_clients", "memory_budget", "seed")}
         assert got == {"chunk_clients": 2, "memory_budget": 0.25, "seed": 5}
         assert (trainer.backend, trainer.drop_last, trainer.eval_batch_size) == ("vmap", True, 7)

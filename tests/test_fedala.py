@@ -196,7 +196,7 @@ def test_ala_keeps_the_clients_own_running_statistics():
     fed = TinyFed()
     torch.manual_seed(0)
     eng = Engine(fed, bn_mlp(), device="cpu")
-    algo = ALGORITHMS.get("fedala")(
+    algo = ALGORITHMS.get("fedala").from_config(
         load_config(compose(["algo=fedala", "batch_size=8"])), fed, eng, bn_mlp
     )
     apart(algo, eng)

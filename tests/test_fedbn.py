@@ -34,7 +34,7 @@ def cnn_algo(norm: str, *over: str, plain_norm1: bool = False):
     torch.manual_seed(0)
     eng = Engine(fed, model_fn(), device="cpu")
     cfg = compose(["algo=fedbn", "batch_size=8", "optim.lr=0.1", *over])
-    return ALGORITHMS.get("fedbn")(load_config(cfg), fed, eng, model_fn), eng, fed
+    return ALGORITHMS.get("fedbn").from_config(load_config(cfg), fed, eng, model_fn), eng, fed
 
 
 def norm_modules(eng, kinds) -> set[str]:

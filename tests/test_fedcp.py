@@ -263,7 +263,7 @@ def bn_fedcp():
     torch.manual_seed(0)
     eng = Engine(fed, bn_mlp(), device="cpu")
     cfg = compose(["algo=fedcp", "batch_size=8"])
-    return ALGORITHMS.get("fedcp")(load_config(cfg), fed, eng, bn_mlp), fed
+    return ALGORITHMS.get("fedcp").from_config(load_config(cfg), fed, eng, bn_mlp), fed
 
 
 @pytest.mark.quick

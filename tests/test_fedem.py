@@ -149,7 +149,7 @@ def test_objective_q_is_the_e_step_table_with_batchnorm():
     cfg = compose(["algo=fedem", "batch_size=64", "optim.lr=0.1", "algo.aggregate=sampled"])
     torch.manual_seed(0)
     eng = Engine(fed, bn_mlp(), device="cpu")
-    algo = ALGORITHMS.get("fedem")(load_config(cfg), fed, eng, bn_mlp)
+    algo = ALGORITHMS.get("fedem").from_config(load_config(cfg), fed, eng, bn_mlp)
     P, g = eng.n_params, torch.Generator().manual_seed(5)
     algo.components[:, P:] = 0.5 + torch.rand(3, eng.n_state - P, generator=g)
     algo.pi = torch.softmax(torch.randn(3, 3, generator=g), dim=1)

@@ -76,7 +76,7 @@ def test_batchnorm_statistics_of_a_personal_layer_stay_personal():
     model_fn = lambda: build_model("cnn", fed.input_shape, fed.num_classes, **opts)  # noqa: E731
     eng = Engine(fed, model_fn(), device="cpu")
     cfg = load_config(compose(["algo=fedper", "algo.personal_layers=3"]))
-    algo = ALGORITHMS.get("fedper")(cfg, fed, eng, model_fn)
+    algo = ALGORITHMS.get("fedper").from_config(cfg, fed, eng, model_fn)
     own = algo.personal_entries
     assert len(eng.model.layers()) == 4  # conv+norm, conv+norm, fc, head
     personal_convs = {p.rsplit(".", 1)[0] for p in eng.model.layers()[1].params}
@@ -99,14 +99,14 @@ def test_personal_layers_are_the_last_ones():
     model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8, 8])  # noqa: E731
     eng = Engine(fed, model_fn(), device="cpu")
     cfg = compose(["algo=fedper", "algo.personal_layers=2"])
-    algo = ALGORITHMS.get("fedper")(load_config(cfg), fed, eng, model_fn)
+    algo = ALGORITHMS.get("fedper").from_config(load_config(cfg), fed, eng, model_fn)
     layers = eng.model.layers()
     assert len(layers) == 3
     names = {p for layer in layers[-2:] for p in layer.params}
     assert torch.equal(algo.personal_entries[: eng.n_params], eng.spec.mask(names))
     assert not algo.personal_entries[eng.n_params :].any()  # buffers stay with the base
     with pytest.raises(ConfigError, match="personal_layers=3: the model has 3 layers"):
-        ALGORITHMS.get("fedper")(
+        ALGORITHMS.get("fedper").from_config(
             load_config(compose(["algo=fedper", "algo.personal_layers=3"])), fed, eng, model_fn
         )
 

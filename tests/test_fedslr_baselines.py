@@ -70,7 +70,7 @@ def quad_algo(name: str, extra=()):
     torch.manual_seed(0)
     model_fn = lambda: nn.Linear(4, 1, bias=False)  # noqa: E731
     eng = QuadEngine(fed, model_fn(), device="cpu", backend="sequential")
-    return ALGORITHMS.get(name)(load_config(cfg), fed, eng, model_fn), fed
+    return ALGORITHMS.get(name).from_config(load_config(cfg), fed, eng, model_fn), fed
 
 
 @pytest.mark.quick

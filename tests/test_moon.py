@@ -149,7 +149,7 @@ def test_reference_models_read_their_batchnorm_statistics_and_keep_them():
     fed = TinyFed()
     torch.manual_seed(0)
     eng = Engine(fed, bn_mlp(), device="cpu")
-    algo = ALGORITHMS.get("moon")(
+    algo = ALGORITHMS.get("moon").from_config(
         load_config(compose(["algo=moon", "batch_size=8"])), fed, eng, bn_mlp
     )
     P = eng.n_params

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from fedbench import cli
 from fedbench.algorithms import ALGORITHMS
 from fedbench.config import load_config
+from fedbench.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -236,9 +237,9 @@ def test_hp_casts_per_annotation():
 
 @pytest.mark.quick
 @pytest.mark.parametrize("name", ALGORITHMS.names())
-def test_attack_is_a_constructor_argument(name):
-    """The runner passes the attack to the constructor (every subclass forwards it), and
-    sets no attribute on the algorithm afterwards."""
+def test_attack_reaches_the_algorithm_through_its_context(name):
+    """The runner hands the attack over in the algorithm's RunContext and sets no attribute
+    on the algorithm afterwards; an algorithm whose uploads bypass `receive` refuses it."""
     import ast
 
     from conftest import TinyFed, compose
@@ -250,13 +251,17 @@ def test_attack_is_a_constructor_argument(name):
     cfg = compose([f"algo={name}", "batch_size=8"])
     model_fn = lambda: build_model("mlp", fed.input_shape, fed.num_classes, hidden=[8])  # noqa: E731
     attack = Attack("a2", 0.34, fed.num_clients, 0)
+    cls = ALGORITHMS.get(name)
+    engine = Engine(fed, model_fn(), device="cpu")
+    if not cls.attackable:
+        with pytest.raises(ConfigError, match=f"algo={name} does not route its uploads"):
+            cls.from_config(load_config(cfg), fed, engine, model_fn, attack=attack)
+        return
     try:
-        algo = ALGORITHMS.get(name)(
-            load_config(cfg), fed, Engine(fed, model_fn(), device="cpu"), model_fn, attack=attack
-        )
+        algo = cls.from_config(load_config(cfg), fed, engine, model_fn, attack=attack)
     except Exception as e:  # noqa: BLE001 - an algorithm that needs another model/data
         pytest.skip(f"{name} not buildable on TinyFed: {e}")
-    assert algo.attack is attack
+    assert algo.attack is attack and algo.ctx.attack is attack
     tree = ast.parse((REPO / "fedbench" / "runner.py").read_text())
     set_attrs = [
         ast.unparse(t)
@@ -268,3 +273,57 @@ def test_attack_is_a_constructor_argument(name):
         and t.value.attr == "algo"
     ]
     assert not set_attrs, set_attrs
+
+
+@pytest.mark.quick
+def test_algorithms_build_in_setup_not_init():
+    """`Algorithm(ctx, hp)` is the one constructor: every registered algorithm builds its
+    state in `setup()` (none overrides `__init__`, so none can skip the capability check)."""
+    from fedbench.algorithms.base import Algorithm
+
+    own_init = [
+        n for n in ALGORITHMS.names() if ALGORITHMS.get(n).__init__ is not Algorithm.__init__
+    ]
+    assert not own_init, own_init
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algo=local", "attack.kind=a2", "attack.fraction=0.2"], "algo=local does not route"),
+        (["algo=apple", "server_opt=adam"], "server_opt=adam: algo=apple's server"),
+    ],
+)
+def test_capabilities_are_checked_with_the_config(overrides, message):
+    """What an algorithm needs of the run is checked by `load_config` (one line, before a
+    run directory exists), through the same `check_needs` the constructor runs."""
+    from conftest import compose
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(compose(overrides))
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    ("name", "extra"), [("fedrep", []), ("fedpac", []), ("ifca", ["algo.weight_sharing=true"])]
+)
+def test_a_head_split_is_checked_on_the_built_model(name, extra):
+    """A model without a body/head split (a plain nn.Sequential, as a user's own model
+    factory could give) stops an algorithm that needs one with one line; IFCA needs one
+    only with weight sharing (`needs(hp)`)."""
+    from torch import nn
+
+    from conftest import TinyFed, compose
+    from fedbench.engine import Engine
+
+    fed = TinyFed()
+    model_fn = lambda: nn.Sequential(nn.Flatten(), nn.Linear(6, fed.num_classes))  # noqa: E731
+    rc = load_config(compose([f"algo={name}", "batch_size=8", *extra]))
+    cls = ALGORITHMS.get(name)
+    with pytest.raises(ConfigError, match=f"algo={name} needs a model with a body/head split"):
+        cls.from_config(rc, fed, Engine(fed, model_fn(), device="cpu"), model_fn)
+    if name == "ifca":
+        rc = load_config(compose([f"algo={name}", "batch_size=8"]))
+        assert not cls.needs(rc.algo.params).head
+        cls.from_config(rc, fed, Engine(fed, model_fn(), device="cpu"), model_fn)

@@ -205,7 +205,7 @@ def test_running_statistics_are_the_clients_own():
     fed = TinyFed()
     torch.manual_seed(0)
     eng = Engine(fed, bn_mlp(), device="cpu")
-    algo = ALGORITHMS.get("pfedla")(
+    algo = ALGORITHMS.get("pfedla").from_config(
         load_config(compose(["algo=pfedla", "batch_size=8"])), fed, eng, bn_mlp
     )
     assert algo.n_layers == 2  # Linear + BatchNorm, head

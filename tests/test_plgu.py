@@ -331,7 +331,7 @@ def make_bn(algo: str, extra=(), backend="auto"):
 
     torch.manual_seed(0)
     eng = Engine(fed, model_fn(), device="cpu", backend=backend)
-    return ALGORITHMS.get(algo)(load_config(cfg), fed, eng, model_fn), fed
+    return ALGORITHMS.get(algo).from_config(load_config(cfg), fed, eng, model_fn), fed
 
 
 BN_CASES = [

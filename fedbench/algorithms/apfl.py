@@ -93,20 +93,19 @@ class APFL(WithTrainer, Algorithm):
     attackable = True
     state_keys = ("w", "rows", "seen")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        base = model_fn()
-        engine.to_module(engine.initial_state(), base)
+    def setup(self) -> None:
+        base = self.model_fn()
+        self.engine.to_module(self.engine.initial_state(), base)
         self.trainer = make_engine(self, APFLModel(base, self.hp.alpha))
         spec, dev = self.trainer.spec, self.device
-        self.wcols = base_columns(spec, engine.spec, "w.", dev)
-        self.vcols = base_columns(spec, engine.spec, "v.", dev)
+        self.wcols = base_columns(spec, self.engine.spec, "w.", dev)
+        self.vcols = base_columns(spec, self.engine.spec, "v.", dev)
         self.acol = spec.index["alpha"].start
         self.trainable = None
         if not self.hp.adaptive:
             self.trainable = torch.ones(spec.n_params, dtype=torch.bool, device=dev)
             self.trainable[self.acol] = False
-        self.w = engine.initial_state()
+        self.w = self.engine.initial_state()
         self.rows = self.trainer.initial_state().repeat(self.N, 1)  # [N, D']: w_i, v_i, alpha_i
         self.seen = torch.zeros(self.N, dtype=torch.bool, device=dev)
 

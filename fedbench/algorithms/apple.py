@@ -84,9 +84,8 @@ class APPLE(Algorithm):
     attackable = True
     state_keys = ("cores", "p", "theta")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        self.cores = engine.initial_state().repeat(self.N, 1)  # c_j as the server holds them
+    def setup(self) -> None:
+        self.cores = self.engine.initial_state().repeat(self.N, 1)  # c_j as the server holds them
         self.p = torch.full((self.N, self.N), 1.0 / self.N, device=self.device)
         self.p0 = torch.full((self.N,), 1.0 / self.N, device=self.device)
         self.theta = self.cores.clone()  # personalized mixtures w_i, with the client's buffers

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -111,9 +111,33 @@ class RunSettings:
         )
 
 
+@dataclass(frozen=True)
+class RunContext:
+    """What an algorithm is built with (`Algorithm(ctx, hp)`): the run's federation, its
+    engine (model spec, backends, batches), the model factory (a fresh model of the run's
+    architecture), the run-level settings and the malicious clients (None without)."""
+
+    fed: Any  # fedbench.data.Federation
+    engine: Engine
+    model_fn: Callable[[], nn.Module]
+    run: RunSettings
+    attack: Attack | None = None
+
+
+@dataclass(frozen=True)
+class Needs:
+    """The model pieces an algorithm reads (`Algorithm.needs`)."""
+
+    head: bool = False  # a body/head split: `head_params()` / `body_params()`
+    features: bool = False  # `features(x)`: the body's output
+
+
 class Algorithm:
-    """Base class: holds the config, the federation and the engine; subclasses keep their
-    models as flat state rows ([D] or [N, D], see `engine.spec`).
+    """Base class: `Algorithm(ctx, hp)` holds the run's context (`RunContext`: federation,
+    engine, model factory, run settings, attack) and the algorithm's hyperparameters;
+    subclasses build their state in `setup()` (most need no `__init__`) and keep their
+    models as flat state rows ([D] or [N, D], see `engine.spec`). The runner and the tests
+    build one from the checked config with `from_config(rc, fed, engine, model_fn)`.
 
     Subclasses set `has_personal` / `has_global`, list their tensors in `state_keys` (for
     checkpoints) and implement `round`, `personal_states` and/or `global_state`. A per-client
@@ -123,15 +147,18 @@ class Algorithm:
     `Params` is the dataclass of the algorithm's hyperparameters (`params.py`): the keys of
     its YAML with their types and ranges, checked before the run starts; `self.hp` is an
     instance of it (a float field is a float even where the YAML wrote `1`). The run-level
-    settings an algorithm uses are `self.run` (`RunSettings`); no algorithm reads the config
-    itself after `Algorithm.__init__`.
+    settings an algorithm uses are `self.run` (`RunSettings`); no algorithm reads the config.
+
+    Capabilities: what an algorithm needs of the run is declared once, as class attributes
+    (`needs_head`, `needs_features`: model pieces; `attackable`: its uploads go through
+    `receive`; `server_optimizable`: its server averages into one model) or, where it
+    depends on the hyperparameters, by overriding `needs(hp)`; `check_needs` is the one
+    check, run from the config and again on the built model.
 
     Uploads: every tensor a client sends the server passes through `receive` where the
     server gets it; that is the one place where malicious clients (`attack.*`) act. An
     algorithm that routes its uploads through `receive` sets `attackable = True`; a run with
-    an attack on any other algorithm stops with one line. The run's attack is the
-    constructor's `attack` (the runner passes it; a subclass's `__init__` passes its `**kw`
-    on to `super().__init__`).
+    an attack on any other algorithm stops with one line. The run's attack is `ctx.attack`.
     """
 
     name: ClassVar[str] = ""
@@ -147,34 +174,89 @@ class Algorithm:
     # `server_opt` (FedAvgM, FedAdagrad, FedAdam, FedYogi; algorithms/_server.py) applies
     server_optimizable: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        cfg: Any,
-        fed,
-        engine: Engine,
-        model_fn,
-        *,
-        attack: Attack | None = None,
-    ) -> None:
-        # the checked config (fedbench.config.load_config; not imported here: the config
-        # sits above the algorithms, whose Params it checks)
-        rc = cfg
+    # The model pieces an algorithm reads (`Needs`); checked once, in `check_needs`.
+    needs_head: ClassVar[bool] = False  # a body/head split (`FedModel.head_params`)
+    needs_features: ClassVar[bool] = False  # the body's output (`FedModel.features`)
+
+    def __init__(self, ctx: RunContext, hp: Any) -> None:
+        if type(hp) is not self.Params:
+            raise ConfigError(
+                f"algo={self.name} takes its {getattr(self.Params, '__name__', 'Params')}, "
+                f"not {type(hp).__name__}"
+            )
+        self.ctx = ctx
+        self.hp = hp
+        self.run = ctx.run
+        self.fed = ctx.fed
+        self.engine = ctx.engine
+        self.model_fn = ctx.model_fn
+        self.device = ctx.engine.device
+        self.N = ctx.fed.num_clients
+        self.attack = ctx.attack  # the run's malicious clients, None without (fedbench.attack)
+        type(self).check_needs(
+            hp,
+            model=ctx.engine.model,
+            attack=ctx.attack is not None,
+            server_opt=ctx.run.server_opt.name,
+        )
+        self.server_opt = ServerOptimizer(ctx.run.server_opt)
+        self.setup()
+
+    def setup(self) -> None:
+        """The algorithm's own state, built from `self.hp`, `self.run`, `self.fed`,
+        `self.engine` (its `spec`, `initial_state()`, `model`) and `self.model_fn`; called
+        once by `__init__`, after the capability checks. A subclass of another algorithm
+        calls `super().setup()` first."""
+
+    @classmethod
+    def from_config(
+        cls, rc: Any, fed, engine: Engine, model_fn, *, attack: Attack | None = None
+    ) -> Algorithm:
+        """Built from the checked config (fedbench.config.RunConfig; `load_config`)."""
         if isinstance(rc, DictConfig | dict):
             raise TypeError(
-                f"{type(self).__name__} takes the checked config: "
+                f"{cls.__name__} takes the checked config: "
                 "fedbench.config.load_config(cfg), not the composed one"
             )
-        if type(rc.algo.params) is not self.Params:
-            raise ConfigError(f"algo={rc.algo.name}: the config is not algo={self.name}'s")
-        self.hp = rc.algo.params
-        self.run = RunSettings.from_config(rc)
-        self.fed = fed
-        self.engine = engine
-        self.model_fn = model_fn
-        self.device = engine.device
-        self.N = fed.num_clients
-        self.attack = attack  # the run's malicious clients, None without (fedbench.attack)
-        self.server_opt = ServerOptimizer(self.run.server_opt)
+        if type(rc.algo.params) is not cls.Params:
+            raise ConfigError(f"algo={rc.algo.name}: the config is not algo={cls.name}'s")
+        ctx = RunContext(fed, engine, model_fn, RunSettings.from_config(rc), attack)
+        return cls(ctx, rc.algo.params)
+
+    @classmethod
+    def needs(cls, hp: Any) -> Needs:
+        """What this algorithm needs of the run at hyperparameters `hp`; an algorithm whose
+        needs depend on its hyperparameters (IFCA's weight sharing) overrides it."""
+        return Needs(head=cls.needs_head, features=cls.needs_features)
+
+    @classmethod
+    def check_needs(cls, hp: Any, *, model: Any, attack: bool, server_opt: str = "none") -> None:
+        """ConfigError (one line) unless the run gives this algorithm what it needs: the
+        one place these are checked, from the config (`load_config`: `model` the model's
+        class, before anything is written) and again on the built model (`__init__`).
+        `attack`: malicious clients are configured; `server_opt`: the server optimizer."""
+        need = cls.needs(hp)
+        split = hasattr(model, "head_params") and hasattr(model, "body_params")
+        if need.head and not split:
+            raise ConfigError(
+                f"algo={cls.name} needs a model with a body/head split (models.FedModel)"
+            )
+        if need.features and not hasattr(model, "features"):
+            raise ConfigError(
+                f"algo={cls.name} needs a model whose body's output it can read "
+                "(models.FedModel.features)"
+            )
+        if attack and not cls.attackable:
+            raise ConfigError(
+                f"algo={cls.name} does not route its uploads through Algorithm.receive, "
+                "so an attack cannot reach it; attack.kind=none"
+            )
+        if server_opt != "none" and not cls.server_optimizable:
+            able = sorted(n for n in ALGORITHMS.names() if ALGORITHMS.get(n).server_optimizable)
+            raise ConfigError(
+                f"server_opt={server_opt}: algo={cls.name}'s server does not average uploads "
+                f"into one model; a server optimizer applies to {', '.join(able)}"
+            )
 
     @property
     def optim(self) -> OptimConfig:

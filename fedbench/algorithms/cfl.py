@@ -156,12 +156,11 @@ class CFL(Algorithm):
     attackable = True
     state_keys = ("models", "assign", "delta", "fresh")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
+    def setup(self) -> None:
         dev = self.device
-        self.models = engine.initial_state()[None].clone()  # [K, D]: one cluster at first
+        self.models = self.engine.initial_state()[None].clone()  # [K, D]: one cluster at first
         self.assign = torch.zeros(self.N, dtype=torch.long, device=dev)  # [N] cluster index
-        self.delta = torch.zeros(self.N, engine.n_params, device=dev)  # [N, P] latest update
+        self.delta = torch.zeros(self.N, self.engine.n_params, device=dev)  # [N, P] latest update
         self.fresh = torch.zeros(self.N, dtype=torch.bool, device=dev)  # reported since formed
 
     def norms(self, delta: torch.Tensor, clients) -> tuple[float, float]:

@@ -52,8 +52,7 @@ class Ditto(TrainedOrGlobal, Algorithm):
     server_optimizable = True  # server_opt steps on the average
     state_keys = ("w", "theta", "seen")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
+    def setup(self) -> None:
         self.lam = self.hp.lam
         self.personal_epochs = self.hp.personal_epochs or self.run.local_epochs
         if self.hp.interleave and self.personal_epochs != self.run.local_epochs:
@@ -62,7 +61,7 @@ class Ditto(TrainedOrGlobal, Algorithm):
                 f"algo.personal_epochs={self.personal_epochs} must equal "
                 f"local_epochs={self.run.local_epochs}"
             )
-        self.w = engine.initial_state()
+        self.w = self.engine.initial_state()
         self.init_rows()
 
     def interleaved(self, i: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

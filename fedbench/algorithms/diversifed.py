@@ -109,11 +109,10 @@ class DiversiFed(Algorithm):
     attackable = True
     state_keys = ("w",)
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
+    def setup(self) -> None:
         if self.N < 2:
             raise ConfigError(f"diversifed needs at least 2 clients; clients={self.N}")
-        self.w = engine.initial_state().repeat(self.N, 1)  # latest uploaded w_i, [N, D]
+        self.w = self.engine.initial_state().repeat(self.N, 1)  # latest uploaded w_i, [N, D]
 
     def server_models(self, clients: torch.Tensor) -> torch.Tensor:
         """z_i [C, D] for the given clients (eq. 9), from all N stored models: parameters

@@ -172,26 +172,26 @@ class FedALA(TrainedOrGlobal, Algorithm):
         fl_bench="FedALA",
     )
     Params = FedALAParams
+    needs_head = True
     attackable = True
     server_optimizable = True  # server_opt steps on the average
     state_keys = ("w", "theta", "seen", "ala_weights", "started", "next_round")
     extra_kinds = ("trained",)  # θ_i^t, the model after the client's last local training
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        layers = engine.model.layers()
+    def setup(self) -> None:
+        layers = self.engine.model.layers()
         if self.hp.p > len(layers):
             raise ConfigError(f"algo.p={self.hp.p}: the model has {len(layers)} layers")
         names = [n for layer in layers[-self.hp.p :] for n in layer.params]
-        self.top = engine.spec.mask(names, device=self.device).nonzero().squeeze(1)  # [K]
+        self.top = self.engine.spec.mask(names, device=self.device).nonzero().squeeze(1)  # [K]
         # ALA on the head alone: the body's features at Θ do not depend on W, so each batch's
         # are computed once per ALA and every step runs only the head (the same numbers as
         # the whole forward; not with dropout in the body, whose masks differ per forward)
-        model = engine.model
+        model = self.engine.model
         self.head_only = set(names) == set(model.head_params()) and not any(
             isinstance(m, nn.modules.dropout._DropoutNd) for m in model.body.modules()
         )
-        self.w = engine.initial_state()  # Θ [D]
+        self.w = self.engine.initial_state()  # Θ [D]
         self.init_rows()  # theta [N, D]: Θ^0 until a client's first training (line 1)
         self.ala_weights = torch.ones(self.N, self.top.numel(), device=self.device)  # W [N, K]
         self.started = torch.zeros(self.N, dtype=torch.bool, device=self.device)  # start done

@@ -76,9 +76,8 @@ class FedAMP(Algorithm):
     attackable = True
     state_keys = ("w",)
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        self.w = engine.initial_state().repeat(self.N, 1)
+    def setup(self) -> None:
+        self.w = self.engine.initial_state().repeat(self.N, 1)
 
     def messages(self, clients: torch.Tensor) -> torch.Tensor:
         """u_i [C, D] for the given clients, from all N stored models: parameters mixed by xi,

@@ -50,9 +50,8 @@ class FedAvg(TrainedOrGlobal, Algorithm):
     server_optimizable = True  # server_opt steps on the average
     state_keys = ("w", "theta", "seen")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        self.w = engine.initial_state()
+    def setup(self) -> None:
+        self.w = self.engine.initial_state()
         self.init_rows()
 
     def terms(self) -> list:

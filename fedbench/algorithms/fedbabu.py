@@ -75,7 +75,6 @@ from fedbench.algorithms._shared import state_entries
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, hp, positive
 from fedbench.engine import TrainResult
-from fedbench.errors import ConfigError
 
 FINETUNE_SALT = 7  # the fine-tuning batches: their own stream, not the round's training batches
 
@@ -103,23 +102,21 @@ class FedBABU(Algorithm):
         fl_bench="FedBABU",
     )
     Params = FedBABUParams
+    needs_head = True
     has_global = True
     attackable = True
     server_optimizable = True  # server_opt steps on the body average
     state_keys = ("w", "last_round")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        if not hasattr(engine.model, "head_params"):
-            raise ConfigError("fedbabu needs a model with a body/head split (models.FedModel)")
-        spec = engine.spec
-        self.head_mask = spec.mask(engine.model.head_params(), device=self.device)  # [P]
+    def setup(self) -> None:
+        spec = self.engine.spec
+        self.head_mask = spec.mask(self.engine.model.head_params(), device=self.device)  # [P]
         self.head_entries = state_entries(self.head_mask, spec.n_state)  # [D]
         part = self.hp.finetune_part
         self.finetune_mask = (
             None if part == "full" else self.head_mask if part == "head" else ~self.head_mask
         )
-        self.w = engine.initial_state()  # [D]: theta_ext^k with theta_cls^0
+        self.w = self.engine.initial_state()  # [D]: theta_ext^k with theta_cls^0
         self.last_round = 0  # the round the fine-tuning's lr and batches belong to
         self._tuned: tuple[torch.Tensor, torch.Tensor] | None = None  # (w it came from, [N, D])
 

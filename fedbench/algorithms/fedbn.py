@@ -78,12 +78,12 @@ class FedBN(FedPer):
     )
     Params = FedBNParams
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
+    def setup(self) -> None:
+        super().setup()
         # FedPer keeps the buffers of the modules that own a personal parameter; a BatchNorm
         # without affine parameters owns none, and its statistics stay local all the same
-        modules = self.norm_modules(engine)
-        for e in engine.spec.buffers:
+        modules = self.norm_modules(self.engine)
+        for e in self.engine.spec.buffers:
             if e.name.rsplit(".", 1)[0] in modules:
                 self.personal_entries[e.start : e.stop] = True
         self.personal = self.base[self.personal_entries].repeat(self.N, 1)  # [N, K]

@@ -106,9 +106,8 @@ class FedCAC(Algorithm):
     state_keys = ("theta", "w", "trained")
     extra_kinds = ("trained",)
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        self.w = engine.initial_state()
+    def setup(self) -> None:
+        self.w = self.engine.initial_state()
         self.theta = self.w.repeat(self.N, 1)
         self.trained = self.theta.clone()  # each client's model after its last local training
 

@@ -185,16 +185,16 @@ class FedCP(TrainerLayout, Algorithm):
         pfllib="FedCP",
     )
     Params = FedCPParams
+    needs_head = True
     attackable = True
     server_optimizable = True  # server_opt steps on the averages of W^fe, W^hd and Theta
     state_keys = ("w", "phead")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        base = model_fn()
+    def setup(self) -> None:
+        base = self.model_fn()
         if not all(hasattr(base, a) for a in ("body", "head", "feature_dim")):
             raise ConfigError("fedcp needs a model with a body/head split (models.FedModel)")
-        engine.to_module(engine.initial_state(), base)
+        self.engine.to_module(self.engine.initial_state(), base)
         # the CPN's initialization from a stream of its own derived from the run's seed: the
         # run's model was drawn right after torch.manual_seed(seed), so that seed itself would
         # make the CPN's weight a rescaled copy of the body's first layer
@@ -210,8 +210,8 @@ class FedCP(TrainerLayout, Algorithm):
                 [torch.arange(e.start, e.stop) for e in spec.params if e.name.startswith(prefix)]
             ).to(dev)
 
-        self.base_cols = base_columns(spec, engine.spec, "", dev)  # [D]: body, head, buffers
-        base_entries = engine.spec.params + engine.spec.buffers
+        self.base_cols = base_columns(spec, self.engine.spec, "", dev)  # [D]: body, head, buffers
+        base_entries = self.engine.spec.params + self.engine.spec.buffers
         # the frozen copy, entry for entry in the base layout's body order
         self.gbody_cols = torch.cat(
             [
@@ -220,7 +220,7 @@ class FedCP(TrainerLayout, Algorithm):
                 if e.name.startswith("body.")
             ]
         ).to(dev)
-        self.body_in_base = torch.zeros(engine.n_state, dtype=torch.bool, device=dev)  # [D]
+        self.body_in_base = torch.zeros(self.engine.n_state, dtype=torch.bool, device=dev)  # [D]
         self.head_in_base = torch.zeros_like(self.body_in_base)
         for e in base_entries:
             if e.name.startswith("body."):

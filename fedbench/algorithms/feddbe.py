@@ -148,23 +148,23 @@ class FedDBE(TrainerLayout, Algorithm):
         pfllib="FedDBE",
     )
     Params = FedDBEParams
+    needs_head = True
     attackable = True
     server_optimizable = True
     has_global = True
     state_keys = ("w", "prbm", "global_mean", "has_mean")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        base = model_fn()
+    def setup(self) -> None:
+        base = self.model_fn()
         if not (hasattr(base, "body") and hasattr(base, "head") and hasattr(base, "feature_dim")):
             raise ConfigError("feddbe needs a model with a body/head split (models.FedModel)")
-        engine.to_module(engine.initial_state(), base)
+        self.engine.to_module(self.engine.initial_state(), base)
         self.trainer = make_engine(self, DBEModel(base))
         spec, dev = self.trainer.spec, self.device
-        run_names = [e.name for e in engine.spec.params + engine.spec.buffers]
+        run_names = [e.name for e in self.engine.spec.params + self.engine.spec.buffers]
         self.run_idx = entry_index(spec, run_names, dev)  # trainer entries of the run model
         self.prbm_idx = entry_index(spec, ["prbm"], dev)
-        self.w = engine.initial_state()  # [D] body + head + buffers, the run model's layout
+        self.w = self.engine.initial_state()  # [D] body + head + buffers, the run model's layout
         K = base.feature_dim
         self.prbm = torch.zeros(self.N, K, device=dev)  # [N, K] zbar_i^p
         self.global_mean = torch.zeros(K, device=dev)  # zbar^g

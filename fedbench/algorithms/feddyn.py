@@ -55,11 +55,10 @@ class FedDyn(Algorithm):
     attackable = True
     state_keys = ("theta", "lam", "h")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
+    def setup(self) -> None:
         self.alpha = self.hp.alpha
-        P = engine.n_params
-        self.theta = engine.initial_state()  # [D] the server model
+        P = self.engine.n_params
+        self.theta = self.engine.initial_state()  # [D] the server model
         self.lam = torch.zeros(self.N, P, device=self.device)  # [N, P] clients' g_i / lambda_i
         self.h = torch.zeros(P, device=self.device)  # [P] (1/N) sum_i lambda_i
 

@@ -135,15 +135,14 @@ class FedEM(Algorithm):
     server_optimizable = True  # server_opt steps on each component's average
     state_keys = ("components", "pi")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
+    def setup(self) -> None:
         M = self.hp.components
-        rows = [engine.initial_state()]
+        rows = [self.engine.initial_state()]
         for m in range(1, M):  # independent initializations (see RECONSTRUCTION)
             seed = int(np.random.SeedSequence([self.run.seed, 2108, m]).generate_state(1)[0])
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                rows.append(engine.spec.flatten(model_fn()).to(self.device))
+                rows.append(self.engine.spec.flatten(self.model_fn()).to(self.device))
         self.components = torch.stack(rows)  # [M, D]
         self.pi = torch.full((self.N, M), 1.0 / M, device=self.device)  # [N, M]
 

@@ -68,18 +68,17 @@ class FedFomo(WithTrainer, Algorithm):
     attackable = True
     state_keys = ("theta", "P", "online")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
+    def setup(self) -> None:
         frac = self.hp.val_frac
         rng = np.random.default_rng([self.run.seed, 31])
         self.val_idx, train_idx = [], []
-        for pool in fed.train_idx:
+        for pool in self.fed.train_idx:
             perm = torch.as_tensor(rng.permutation(len(pool)), device=pool.device)
             n_val = max(1, int(frac * len(pool)))
             self.val_idx.append(pool[perm[:n_val]])
             train_idx.append(pool[perm[n_val:]])
-        self.trainer = make_engine(self, model_fn(), TrainSubset(fed, train_idx))
-        self.theta = engine.initial_state().repeat(self.N, 1)
+        self.trainer = make_engine(self, self.model_fn(), TrainSubset(self.fed, train_idx))
+        self.theta = self.engine.initial_state().repeat(self.N, 1)
         self.P = torch.eye(self.N, device=self.device)  # affinity P_in
         self.online = torch.zeros(0, dtype=torch.long, device=self.device)
 

@@ -79,21 +79,21 @@ class FedGH(Algorithm):
         pfllib="FedGH",
     )
     Params = FedGHParams
+    needs_head = True
     attackable = True
     state_keys = ("theta", "header")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        model = engine.model
+    def setup(self) -> None:
+        model = self.engine.model
         if not hasattr(model, "features"):
             raise ConfigError("fedgh needs a model with a body/head split (models.FedModel)")
-        self.K, self.F = fed.num_classes, model.feature_dim
-        shapes = [tuple(engine.spec.index[n].shape) for n in model.head_params()]
+        self.K, self.F = self.fed.num_classes, model.feature_dim
+        shapes = [tuple(self.engine.spec.index[n].shape) for n in model.head_params()]
         if shapes != [(self.K, self.F), (self.K,)]:
             raise ConfigError(f"fedgh needs a linear head [K, F] + [K]; this one is {shapes}")
-        mask = engine.spec.mask(model.head_params(), device=self.device)  # [P]
-        self.head_entries = state_entries(mask, engine.n_state)  # [D]: weight, then bias
-        self.theta = engine.initial_state().repeat(self.N, 1)  # [N, D]: extractors
+        mask = self.engine.spec.mask(model.head_params(), device=self.device)  # [P]
+        self.head_entries = state_entries(mask, self.engine.n_state)  # [D]: weight, then bias
+        self.theta = self.engine.initial_state().repeat(self.N, 1)  # [N, D]: extractors
         self.header = self.theta[0, self.head_entries].clone()  # [K F + K] global header
 
     def states_of(self, clients) -> torch.Tensor:

@@ -62,9 +62,8 @@ class FedMGDA(TrainedOrGlobal, Algorithm):
     attackable = True
     state_keys = ("w", "theta", "seen", "fallbacks")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        self.w = engine.initial_state()
+    def setup(self) -> None:
+        self.w = self.engine.initial_state()
         self.init_rows()
         self.fallbacks = 0
         self.last_lambda: np.ndarray | None = None

@@ -77,7 +77,6 @@ from fedbench.algorithms._shared import aggregate_prototypes, feature_moments, s
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, hp, nonneg, positive
 from fedbench.engine import TrainResult
-from fedbench.errors import ConfigError
 
 ALPHA_EPS = 1e-3  # combination weights below this are dropped (the authors' `eps`)
 
@@ -152,21 +151,20 @@ class FedPAC(Algorithm):
         fl_bench="FedPAC",
     )
     Params = FedPACParams
+    needs_head = True
+    needs_features = True
     attackable = True
     server_optimizable = True  # server_opt steps on the body average
     state_keys = ("theta", "heads", "centroids", "has_centroid", "qp_fallbacks")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        model = engine.model
-        if not (hasattr(model, "features") and hasattr(model, "head_params")):
-            raise ConfigError("fedpac needs a model with a body/head split (models.FedModel)")
-        spec = engine.spec
-        self.K = fed.num_classes
+    def setup(self) -> None:
+        model = self.engine.model
+        spec = self.engine.spec
+        self.K = self.fed.num_classes
         self.head_mask = spec.mask(model.head_params(), device=self.device)  # [P]
         self.body_mask = ~self.head_mask
         self.head_entries = state_entries(self.head_mask, spec.n_state)  # [D]
-        self.theta = engine.initial_state()  # [D] global body (head entries unused)
+        self.theta = self.engine.initial_state()  # [D] global body (head entries unused)
         self.heads = self.theta[self.head_entries].repeat(self.N, 1)  # [N, H] personal heads
         self.centroids = torch.zeros(self.K, model.feature_dim, device=self.device)  # [K, d]
         self.has_centroid = torch.zeros(self.K, dtype=torch.bool, device=self.device)

@@ -62,16 +62,15 @@ class FedPer(Algorithm):
     server_optimizable = True  # server_opt steps on the average
     state_keys = ("base", "personal")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        names = self.personal_params(engine)
-        mask = engine.spec.mask(names, device=self.device)  # [P]
-        self.personal_entries = state_entries(mask, engine.n_state)  # [D]
+    def setup(self) -> None:
+        names = self.personal_params(self.engine)
+        mask = self.engine.spec.mask(names, device=self.device)  # [P]
+        self.personal_entries = state_entries(mask, self.engine.n_state)  # [D]
         modules = {n.rsplit(".", 1)[0] for n in names}
-        for e in engine.spec.buffers:  # a personal module's statistics are personal too
+        for e in self.engine.spec.buffers:  # a personal module's statistics are personal too
             if e.name.rsplit(".", 1)[0] in modules:
                 self.personal_entries[e.start : e.stop] = True
-        self.base = engine.initial_state()  # [D] (personal entries unused)
+        self.base = self.engine.initial_state()  # [D] (personal entries unused)
         self.personal = self.base[self.personal_entries].repeat(self.N, 1)  # [N, K]
 
     def personal_params(self, engine) -> list[str]:

@@ -336,11 +336,10 @@ class FedPG(TrainedOrGlobal, Algorithm):
     state_keys = ("w", "theta", "seen", "hist", "last", "prev", "counts")
     profiler: NoProfiler = NoProfiler()
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        self.w = engine.initial_state()
+    def setup(self) -> None:
+        self.w = self.engine.initial_state()
         self.init_rows()
-        P = engine.n_params
+        P = self.engine.n_params
         self.hist = torch.zeros(self.N, P, device=self.device)  # last g_j / ||g_j||
         self.last = torch.full((self.N,), -1, dtype=torch.long, device=self.device)
         self.prev = torch.zeros(self.N, dtype=torch.bool, device=self.device)  # S^{t-1}

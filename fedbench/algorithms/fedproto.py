@@ -66,17 +66,17 @@ class FedProto(Algorithm):
         fl_bench="FedProto",
     )
     Params = FedProtoParams
+    needs_features = True
     attackable = True
     state_keys = ("theta", "protos", "has_proto")
     extra_kinds = ("head",)
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        if not hasattr(engine.model, "features"):
+    def setup(self) -> None:
+        if not hasattr(self.engine.model, "features"):
             raise ConfigError("fedproto needs a model with a body/head split (models.FedModel)")
-        self.K = fed.num_classes
-        self.theta = engine.initial_state().repeat(self.N, 1)
-        self.protos = torch.zeros(self.K, engine.model.feature_dim, device=self.device)
+        self.K = self.fed.num_classes
+        self.theta = self.engine.initial_state().repeat(self.N, 1)
+        self.protos = torch.zeros(self.K, self.engine.model.feature_dim, device=self.device)
         self.has_proto = torch.zeros(self.K, dtype=torch.bool, device=self.device)
 
     def objective(self, model, x, y, c):

@@ -49,17 +49,17 @@ class FedRep(Algorithm):
         fl_bench="FedRep",
     )
     Params = FedRepParams
+    needs_head = True
     attackable = True
     server_optimizable = True  # server_opt steps on the average
     state_keys = ("phi", "heads")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        spec = engine.spec
-        self.head_mask = spec.mask(engine.model.head_params(), device=self.device)  # [P]
+    def setup(self) -> None:
+        spec = self.engine.spec
+        self.head_mask = spec.mask(self.engine.model.head_params(), device=self.device)  # [P]
         self.body_mask = ~self.head_mask
         self.head_entries = state_entries(self.head_mask, spec.n_state)  # [D]: the head
-        self.phi = engine.initial_state()  # [D] global representation (head entries unused)
+        self.phi = self.engine.initial_state()  # [D] global representation (head entries unused)
         self.heads = self.client_rows("heads", self.phi[self.head_entries])  # [N, H] heads
 
     # ------------------------------------------------------------------ pieces

@@ -86,16 +86,16 @@ class FedRoD(TrainerLayout, Algorithm):
         fl_bench="FedRoD",
     )
     Params = FedRoDParams
+    needs_head = True
     attackable = True
     has_global = True
     state_keys = ("w", "theta")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        base = model_fn()
+    def setup(self) -> None:
+        base = self.model_fn()
         if not (hasattr(base, "body") and hasattr(base, "head")):
             raise ConfigError("fedrod needs a model with a body/head split (models.FedModel)")
-        engine.to_module(engine.initial_state(), base)
+        self.engine.to_module(self.engine.initial_state(), base)
         self.trainer = make_engine(self, TwoHeadModel(base))
         spec = self.trainer.spec
         personal = spec.mask(
@@ -106,7 +106,10 @@ class FedRoD(TrainerLayout, Algorithm):
         self.w = self.trainer.initial_state()
         self.theta = self.w.repeat(self.N, 1)
         counts = torch.stack(
-            [torch.bincount(fed.y[ix], minlength=fed.num_classes) for ix in fed.train_idx]
+            [
+                torch.bincount(self.fed.y[ix], minlength=self.fed.num_classes)
+                for ix in self.fed.train_idx
+            ]
         )
         self.log_prior = counts.float().log().to(self.device)  # [N, K], -inf where absent
 

@@ -93,12 +93,11 @@ class FedSLR(Algorithm):
     attackable = True
     state_keys = ("theta", "lam", "h", "p", "p_nnz", "ranks")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
+    def setup(self) -> None:
         self.alpha = self.hp.alpha
         self.tau = self.hp.rank_penalty / self.alpha
-        P = engine.n_params
-        self.theta = engine.initial_state()  # [D] the GKR
+        P = self.engine.n_params
+        self.theta = self.engine.initial_state()  # [D] the GKR
         self.lam = torch.zeros(self.N, P, device=self.device)  # [N, P] the clients' lambda_i
         self.h = torch.zeros(P, device=self.device)  # [P] (1/N) sum_i lambda_i
         p0 = torch.zeros(P, device=self.device)
@@ -108,7 +107,7 @@ class FedSLR(Algorithm):
         self.p_nnz = torch.full((self.N,), int((p0 != 0).sum()), dtype=torch.long)  # [N]
         self.ranks = [
             LayerRank(e.name, *matrix_shape(e.shape), min(matrix_shape(e.shape)))
-            for e in matrix_entries(engine.spec)
+            for e in matrix_entries(self.engine.spec)
         ]
 
     def dense_layer_mask(self) -> torch.Tensor:

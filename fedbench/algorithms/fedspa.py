@@ -58,10 +58,9 @@ class FedSpa(Algorithm):
     attackable = True
     state_keys = ("w", "masks")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        spec = engine.spec
-        self.w = engine.initial_state()  # [D]
+    def setup(self) -> None:
+        spec = self.engine.spec
+        self.w = self.engine.initial_state()  # [D]
         self.layers = [e for e in spec.params if len(e.shape) >= 2 or not self.hp.dense_1d]
         g = torch.Generator().manual_seed(self.run.seed + 11)
         masks = torch.ones(self.N, spec.n_params, dtype=torch.bool)

@@ -174,23 +174,23 @@ class GPFL(TrainerLayout, Algorithm):
         pfllib="GPFL",
     )
     Params = GPFLParams
+    needs_head = True
     attackable = True
     server_optimizable = True
     state_keys = ("w", "ext", "heads", "cond_p", "cond_g")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
+    def setup(self) -> None:
         with torch.random.fork_rng(devices=[]):  # CoV and GCE from the run's seed only
             torch.manual_seed(self.run.seed)
-            base = model_fn()
+            base = self.model_fn()
             if not all(hasattr(base, a) for a in ("body", "head", "feature_dim")):
                 raise ConfigError("gpfl needs a model with a body/head split (models.FedModel)")
-            module = GPFLModel(base, fed.num_classes)
-        engine.to_module(engine.initial_state(), base)
+            module = GPFLModel(base, self.fed.num_classes)
+        self.engine.to_module(self.engine.initial_state(), base)
         self.trainer = make_engine(self, module)
         spec, dev = self.trainer.spec, self.device
-        run_names = [e.name for e in engine.spec.params + engine.spec.buffers]
-        head = engine.model.head_params()
+        run_names = [e.name for e in self.engine.spec.params + self.engine.spec.buffers]
+        head = self.engine.model.head_params()
         ext = [n for n in (e.name for e in spec.params) if n.split(".")[0] in ("cov", "gce")]
         self.run_idx = entry_index(spec, run_names, dev)  # trainer entries of the run model
         self.head_idx = entry_index(spec, head, dev)
@@ -201,15 +201,18 @@ class GPFL(TrainerLayout, Algorithm):
         s0 = int(self.ext_idx.tolist().index(gce.start))
         self.gce_in_ext = slice(s0, s0 + gce.stop - gce.start)  # W inside `ext`
         self.table_shape = tuple(gce.shape)  # (C, K)
-        self.run_head = torch.zeros(engine.n_state, dtype=torch.bool, device=dev)
-        self.run_head[: engine.n_params] = engine.spec.mask(head, device=dev)
+        self.run_head = torch.zeros(self.engine.n_state, dtype=torch.bool, device=dev)
+        self.run_head[: self.engine.n_params] = self.engine.spec.mask(head, device=dev)
 
         init = self.trainer.initial_state()
-        self.w = engine.initial_state()  # [D] phi (+ buffers), run layout; head entries unused
+        self.w = self.engine.initial_state()  # [D] phi (+ buffers), run layout; head entries unused
         self.heads = init[self.head_idx].repeat(self.N, 1)  # [N, H] h_i
         self.ext = init[self.ext_idx]  # [E] global CoV + GCE
         counts = torch.stack(
-            [torch.bincount(fed.y[ix], minlength=fed.num_classes) for ix in fed.train_idx]
+            [
+                torch.bincount(self.fed.y[ix], minlength=self.fed.num_classes)
+                for ix in self.fed.train_idx
+            ]
         ).float()
         self.alpha = (counts / counts.sum(1, keepdim=True).clamp_min(1)).to(dev)  # [N, U] (6)
         K = base.feature_dim

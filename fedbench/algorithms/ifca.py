@@ -60,9 +60,8 @@ import torch.nn.functional as F
 
 from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import argmin_lowest, state_entries
-from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
+from fedbench.algorithms.base import ALGORITHMS, Algorithm, Needs, RoundReport
 from fedbench.algorithms.params import Weighting, hp
-from fedbench.errors import ConfigError
 
 
 @dataclass
@@ -87,20 +86,22 @@ class IFCA(Algorithm):
     attackable = True
     state_keys = ("models",)
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        dev, spec = self.device, engine.spec
-        models = [engine.initial_state()]
+    @classmethod
+    def needs(cls, hp: IFCAParams) -> Needs:
+        """Weight sharing shares the body: it needs a body/head split."""
+        return Needs(head=hp.weight_sharing)
+
+    def setup(self) -> None:
+        dev, spec = self.device, self.engine.spec
+        models = [self.engine.initial_state()]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.run.seed)
-            model_fn()  # the run's own initial model (the runner draws it first from the seed)
-            models += [spec.flatten(model_fn()).to(dev) for _ in range(self.hp.k - 1)]
+            self.model_fn()  # the run's own initial model (the runner draws it first from the seed)
+            models += [spec.flatten(self.model_fn()).to(dev) for _ in range(self.hp.k - 1)]
         self.models = torch.stack(models)  # [k, D]
         self.shared_entries = torch.zeros(spec.n_state, dtype=torch.bool, device=dev)  # [D]
         if self.hp.weight_sharing:
-            if not hasattr(engine.model, "head_params"):
-                raise ConfigError("algo.weight_sharing=true needs a model with a head (FedModel)")
-            head = spec.mask(engine.model.head_params(), device=dev)
+            head = spec.mask(self.engine.model.head_params(), device=dev)
             self.shared_entries = ~state_entries(head, spec.n_state)  # body and its buffers
             self.models[:, self.shared_entries] = self.models[0, self.shared_entries]
 

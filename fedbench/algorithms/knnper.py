@@ -120,24 +120,24 @@ class KNNPer(WithTrainer, Algorithm):
         fl_bench="kNN-Per",
     )
     Params = KNNPerParams
+    needs_features = True
     has_global = True
     attackable = True
     server_optimizable = True  # server_opt steps on FedAvg's average
     state_keys = ("w",)
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
+    def setup(self) -> None:
         rng = np.random.default_rng([self.run.seed, 2111])
         self.val_idx, train_idx = [], []
-        for pool in fed.train_idx:
+        for pool in self.fed.train_idx:
             perm = torch.as_tensor(rng.permutation(len(pool)), device=pool.device)
             n_val = max(1, int(self.hp.val_frac * len(pool)))
             self.val_idx.append(pool[perm[:n_val]])
             train_idx.append(pool[perm[n_val:]])
-        self.trainer = make_engine(self, model_fn(), TrainSubset(fed, train_idx))
+        self.trainer = make_engine(self, self.model_fn(), TrainSubset(self.fed, train_idx))
         step = self.hp.lambda_step  # the grid 0, step, ..., <= 1 (the authors' np.arange)
         self.grid = torch.arange(int(1 / step + 1e-6) + 1, device=self.device) * step
-        self.w = engine.initial_state()
+        self.w = self.engine.initial_state()
 
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
         res = train_on(self, self.trainer, self.w, clients, t)

@@ -37,15 +37,15 @@ class LGFedAvg(Algorithm):
         fl_bench="LG-FedAvg",
     )
     Params = FedAvgParams
+    needs_head = True
     attackable = True
     state_keys = ("bodies", "head")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        spec = engine.spec
-        head_mask = spec.mask(engine.model.head_params(), device=self.device)  # [P]
+    def setup(self) -> None:
+        spec = self.engine.spec
+        head_mask = spec.mask(self.engine.model.head_params(), device=self.device)  # [P]
         self.head_entries = state_entries(head_mask, spec.n_state)  # [D]
-        init = engine.initial_state()
+        init = self.engine.initial_state()
         self.head = init[self.head_entries].clone()  # [H] the global head
         self.bodies = init.repeat(self.N, 1)  # [N, D] personal bodies (head entries unused)
 

@@ -26,9 +26,8 @@ class Local(Algorithm):
     Params = NoParams
     state_keys = ("theta",)
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        self.theta = self.client_rows("theta", engine.initial_state())  # [N, D] off the device
+    def setup(self) -> None:
+        self.theta = self.client_rows("theta", self.engine.initial_state())  # [N, D] off the device
 
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)

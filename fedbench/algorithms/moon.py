@@ -154,15 +154,15 @@ class MOON(TrainedOrGlobal, Algorithm):
         fl_bench="MOON",
     )
     Params = MOONParams
+    needs_features = True
     attackable = True
     server_optimizable = True  # server_opt steps on the average
     state_keys = ("w", "theta", "seen")  # theta[i]: client i's previous local model (w^0 first)
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        if not hasattr(engine.model, "features"):
+    def setup(self) -> None:
+        if not hasattr(self.engine.model, "features"):
             raise ConfigError("moon needs a model with a body/head split (models.FedModel)")
-        self.w = engine.initial_state()
+        self.w = self.engine.initial_state()
         self.init_rows()  # theta = w^0: the previous model of a client that has not trained
 
     def objective(self, clients) -> ModelContrastive | None:

@@ -65,9 +65,8 @@ class PerFedAvg(Algorithm):
     has_global = True
     state_keys = ("w", "theta")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        self.w = engine.initial_state()
+    def setup(self) -> None:
+        self.w = self.engine.initial_state()
         self.theta = self.w.repeat(self.N, 1)  # personalized (one-step adapted) models
 
     def meta_step(self, t: int, ost_keys: tuple[str, ...]) -> ClientStep:

@@ -99,12 +99,11 @@ class PFedHN(Algorithm):
     attackable = True
     state_keys = ("phi", "phi_buf", "heads", "shared")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
+    def setup(self) -> None:
         hn = self.hp.hypernet
         if hn.spectral_norm:
             raise ConfigError("hypernet.spectral_norm=true is not implemented; use false")
-        spec, model, dev = engine.spec, engine.model, self.device
+        spec, model, dev = self.engine.spec, self.engine.model, self.device
         P, D = spec.n_params, spec.n_state
         self.targets = select_targets(model, hn.generate, hn.k)
         self.gen_mask = spec.mask(self.targets.generated, device=dev)  # [P]
@@ -136,7 +135,7 @@ class PFedHN(Algorithm):
         self.hn_lr = torch.where(self.embed_entries, embed_lr, hn.lr).to(dev)
         self.phi_buf = torch.zeros_like(self.phi)  # the hypernetwork optimizer's momentum
 
-        init = engine.initial_state()
+        init = self.engine.initial_state()
         self.shared = init.clone()  # [D]: the shared entries' global values
         self.heads = init[self.personal_entries].repeat(self.N, 1)  # [N, H_p]
         lr = self.hp.inner_lr

@@ -145,11 +145,10 @@ class PFedLA(Algorithm):
     attackable = True
     state_keys = ("theta", "psi", "psi_buf")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        spec, dev = engine.spec, self.device
+    def setup(self) -> None:
+        spec, dev = self.engine.spec, self.device
         if self.hp.granularity == "layer":
-            groups = [list(layer.params) for layer in engine.model.layers()]
+            groups = [list(layer.params) for layer in self.engine.model.layers()]
         else:
             groups = [[e.name] for e in spec.params]
         self.n_layers = len(groups)
@@ -186,7 +185,7 @@ class PFedLA(Algorithm):
         self.hn_optim = OptimConfig(name="sgd", lr=self.hp.hn_lr, momentum=self.hp.hn_momentum)
         # per-client momentum; empty without (a tensor of its own: a view would checkpoint psi)
         self.psi_buf = torch.zeros(self.psi.shape if self.hp.hn_momentum else 0, device=dev)
-        self.theta = engine.initial_state().repeat(self.N, 1)  # [N, D]: the stored models
+        self.theta = self.engine.initial_state().repeat(self.N, 1)  # [N, D]: the stored models
 
     # ------------------------------------------------------------------ the hypernetworks
     def raw_weights(self, i: int, psi: torch.Tensor | None = None) -> torch.Tensor:

@@ -71,9 +71,8 @@ class PFedMe(Algorithm):
     attackable = True
     state_keys = ("w", "theta", "local", "seen")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        self.w = engine.initial_state()
+    def setup(self) -> None:
+        self.w = self.engine.initial_state()
         self.theta = self.w.repeat(self.N, 1)  # personalized models theta_i
         self.local = self.w.repeat(self.N, 1)  # local models w_i
         self.seen = torch.zeros(self.N, dtype=torch.bool, device=self.device)

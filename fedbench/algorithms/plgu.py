@@ -124,12 +124,11 @@ class PLGULF(TrainedOrGlobal, Algorithm):
     attackable = True
     state_keys = ("w", "theta", "seen")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
+    def setup(self) -> None:
         hp = self.hp
         self.rule = score_rule(hp)
-        self.layers = LayerMap(engine.spec, engine.model.layers(), self.device)
-        self.w = engine.initial_state()
+        self.layers = LayerMap(self.engine.spec, self.engine.model.layers(), self.device)
+        self.w = self.engine.initial_state()
         self.init_rows()
 
     def personal_layers(self, xi: torch.Tensor) -> torch.Tensor:
@@ -189,16 +188,18 @@ class PLGUGRep(FedRep):
     Params = PLGUGRepParams
     state_keys = ("phi", "heads", "uploaded")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
+    def setup(self) -> None:
+        super().setup()
         self.rule = score_rule(self.hp)
-        names = set(engine.model.body_params())
-        body = [layer for layer in engine.model.layers() if set(layer.params) <= names]
-        self.body_layers = LayerMap(engine.spec, body, self.device)
+        names = set(self.engine.model.body_params())
+        body = [layer for layer in self.engine.model.layers() if set(layer.params) <= names]
+        self.body_layers = LayerMap(self.engine.spec, body, self.device)
         # last_upload: the body each client uploaded last time (NaN: not yet)
         self.uploaded = None
         if self.hp.score_ref == "last_upload":
-            self.uploaded = torch.full((self.N, engine.n_state), float("nan"), device=self.device)
+            self.uploaded = torch.full(
+                (self.N, self.engine.n_state), float("nan"), device=self.device
+            )
 
     def body_step(self, s: torch.Tensor, g: torch.Tensor, lr: float) -> None:
         """phi <- phi - eta g: one step of the run's optimizer from a fresh state
@@ -242,11 +243,11 @@ class PLGUGHN(PFedHN):
     )
     Params = PLGUGHNParams
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
+    def setup(self) -> None:
+        super().setup()
         self.rule = score_rule(self.hp)
-        spec, gen = engine.spec, set(self.targets.generated)
-        layers = [layer for layer in engine.model.layers() if set(layer.params) <= gen]
+        spec, gen = self.engine.spec, set(self.targets.generated)
+        layers = [layer for layer in self.engine.model.layers() if set(layer.params) <= gen]
         self.gen_layers = LayerMap(spec, layers, self.device)
         # Lambda over the hypernetwork's tensors: head j generates target tensor j, of layer
         # layer_of[j]; id n = the trunk (the mean score), n + 1 = the embeddings (0).

@@ -54,15 +54,14 @@ class Scaffold(Algorithm):
     attackable = True
     state_keys = ("x", "c", "c_i")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
+    def setup(self) -> None:
         if self.optim.name != "sgd":
             raise ConfigError(
                 f"scaffold: option II control variates (x - y) / (K lr) assume SGD steps; "
                 f"optim.name={self.optim.name} is not supported (use optim.name=sgd)"
             )
-        P = engine.n_params
-        self.x = engine.initial_state()  # [D] server model
+        P = self.engine.n_params
+        self.x = self.engine.initial_state()  # [D] server model
         self.c = torch.zeros(P, device=self.device)  # [P] server control variate
         self.c_i = self.client_rows("c_i", torch.zeros(P))  # [N, P] clients' control variates
 

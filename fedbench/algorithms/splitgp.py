@@ -80,26 +80,26 @@ class SplitGP(WithTrainer, Algorithm):
         docs="papers/fedpg.md#splitgp-splitgp",
     )
     Params = SplitGPParams
+    needs_head = True
     has_global = True
     attackable = True
     state_keys = ("g", "rows", "seen")
 
-    def __init__(self, cfg, fed, engine, model_fn, **kw) -> None:
-        super().__init__(cfg, fed, engine, model_fn, **kw)
-        base = model_fn()
+    def setup(self) -> None:
+        base = self.model_fn()
         if not (hasattr(base, "body") and hasattr(base, "head")):
             raise ConfigError("splitgp needs a model with a body/head split (models.FedModel)")
-        engine.to_module(engine.initial_state(), base)
+        self.engine.to_module(self.engine.initial_state(), base)
         self.trainer = make_engine(self, SplitModel(base))
         spec, dev = self.trainer.spec, self.device
-        self.cols = base_columns(spec, engine.spec, "", dev)  # body, head, buffers
-        head = engine.spec.mask(base.head_params(), device=dev)  # [P]
-        self.head = state_entries(head, engine.n_state)  # [D] the server part, base layout
+        self.cols = base_columns(spec, self.engine.spec, "", dev)  # body, head, buffers
+        head = self.engine.spec.mask(base.head_params(), device=dev)  # [P]
+        self.head = state_entries(head, self.engine.n_state)  # [D] the server part, base layout
         aux_names = [e.name for e in spec.params if e.name.startswith("aux.")]
         self.aux_cols = torch.cat(
             [torch.arange(spec.index[n].start, spec.index[n].stop) for n in aux_names]
         ).to(dev)
-        self.g = engine.initial_state()  # [D] base layout: mean body + theta
+        self.g = self.engine.initial_state()  # [D] base layout: mean body + theta
         self.rows = self.trainer.initial_state().repeat(self.N, 1)  # [N, D']
         self.seen = torch.zeros(self.N, dtype=torch.bool, device=dev)
 
