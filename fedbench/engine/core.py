@@ -377,8 +377,9 @@ class Engine:
         tensor of `states` ({name: [C, ...]}) for client `clients[c]`; returns the rows after
         the clients' last steps and each step's aux (`plan.ClientStep`, `StepsResult`).
 
-        `batch.grad(rows [k, D])` is the batched primitive: each client's loss [k] and
-        gradient [k, P] of the cross-entropy on its own batch, its buffers updated in place.
+        `batch.grad(rows [k, D], at=, terms=)` is the batched primitive: each client's loss
+        [k] and gradient [k, P] of the cross-entropy (+ `terms`) on its own batch, at its
+        parameters (+ `at` [k, P], SAM's second gradient), its buffers updated in place.
         Sequential: client after client with k = 1 (`FlatModule.grad_at`, a hand-written
         loop's numbers); vmap: at step s, every client that has an s-th batch at once.
         """
