@@ -224,8 +224,8 @@ class Engine:
         FMNIST MLP of scripts/bench_algorithms.py, quiet machine: 8.8x FedAvg's round
         sequential, 10.5x on vmap), and the sequential path keeps their numbers bit-identical
         to the per-client loops they replaced. Loops
-        still hand-written per client (`algorithms/_steps.py`: APPLE, Ditto's interleaved
-        mode, FedSLR, pFedHN, PLGU) run on the module, never through this choice.
+        still hand-written per client (`algorithms/_steps.py`: APPLE, FedSLR, pFedHN,
+        PLGU-GHN) run on the module, never through this choice.
         """
         if self.backend == "sequential":
             return "sequential"
