@@ -217,13 +217,15 @@ class Engine:
            scripts/bench_engine.py), sequential with convolutions (vmap makes them grouped
            convolutions, 2x slower there than a loop on the FedAvg CNN round).
 
-        `client_steps` (an algorithm's own step function: pFedMe, Per-FedAvg) is chosen the
+        `client_steps` (an algorithm's own step function: pFedMe, Per-FedAvg, Ditto's
+        interleaved mode, PLGU-LF, PLGU-GRep's body steps) is chosen the
         same way (never a custom objective: its batches' `grad` is the cross-entropy), but
         auto on a CPU picks sequential: a step function's own vector updates run over [k, P]
         rows that outgrow the cache where one client's [P] row stays in it (pFedMe on the
         FMNIST MLP of scripts/bench_algorithms.py, quiet machine: 8.8x FedAvg's round
-        sequential, 10.5x on vmap), and the sequential path keeps their numbers bit-identical
-        to the per-client loops they replaced. Loops
+        sequential, 10.5x on vmap; Ditto's interleaved steps, PLGU-LF and PLGU-GRep were no
+        faster on vmap there, within the noise of a loaded machine), and the sequential path
+        keeps their numbers bit-identical to the per-client loops they replaced. Loops
         still hand-written per client (`algorithms/_steps.py`: APPLE, FedSLR, pFedHN,
         PLGU-GHN) run on the module, never through this choice.
         """
