@@ -118,8 +118,15 @@ DISCONTINUOUS = {"fedcac": {"theta"}}
 
 
 # Algorithms whose client loops run on `Engine.client_steps`: their vmap run must map (a
-# silent fall-back to sequential would compare a run with itself).
-CLIENT_STEPS = {"perfedavg", "pfedme"}
+# silent fall-back to sequential would compare a run with itself); the overrides that put
+# them there where their default config does not (Ditto's interleaved mode).
+CLIENT_STEPS = {
+    "ditto": ["algo.interleave=true"],
+    "perfedavg": [],
+    "pfedme": [],
+    "plgu_grep": [],
+    "plgu_lf": [],
+}
 # Settings that keep a case within seconds (pFedMe's 20 batches x 5 inner steps are 100
 # mapped gradients per round, about 30 s through the BatchNorm CNN on 2 CPU cores).
 CHEAP = {"pfedme": ["algo.local_rounds=3", "algo.inner_steps=2"]}
@@ -176,4 +183,14 @@ def test_client_steps_with_unequal_step_counts(name, caplog, monkeypatch):
     step together, the others keep their rows."""
     caplog.set_level(logging.WARNING)
     extra = ["algo.local_rounds=null"] if name == "pfedme" else []
+    extra += CLIENT_STEPS[name]
     assert_same_runs(name, monkeypatch, rounds=1, image=True, extra=extra)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", sorted(n for n, o in CLIENT_STEPS.items() if o))
+def test_client_steps_of_a_non_default_mode(name, caplog, monkeypatch):
+    """A mode that runs on `Engine.client_steps` only when configured (Ditto's interleaved
+    steps): two rounds on the MLP, as every algorithm's default above."""
+    caplog.set_level(logging.WARNING)
+    assert_same_runs(name, monkeypatch, rounds=2, extra=CLIENT_STEPS[name])

@@ -17,7 +17,7 @@ import torch
 from test_backends import ImageFed, bn_cnn
 
 from conftest import TEST_DEVICE, TinyFed
-from fedbench.engine import Engine, OptimConfig
+from fedbench.engine import Engine, OptimConfig, Proximal
 from fedbench.models import build_model
 
 LR = 0.1
@@ -95,3 +95,62 @@ def test_auto_runs_step_functions_sequentially_on_a_cpu_and_batched_on_cuda(monk
     assert eng.backend_for(3) == "vmap"
     monkeypatch.setattr(eng, "device", torch.device("cuda"))
     assert eng.backend_for(3, client_steps=True) == "vmap"
+
+
+MU = 0.7
+
+
+def perturbed_prox_step(st, batch):
+    """One gradient at w + at with the proximal term (mu / 2) ||w + at - ref||^2, each
+    client's own `at` and `ref` rows; the gradient is kept in the state, the loss as aux."""
+    loss, g = batch.grad(st["w"], at=st["at"], terms=[Proximal(st["ref"], MU)])
+    st["g"].copy_(g)
+    return st, loss
+
+
+def by_hand(eng: Engine, state, at, ref, x, y):
+    """(loss, gradient, buffers after the forward) of CE + (mu / 2) ||w + at - ref||^2 at
+    w + at, by autograd on the model called functionally (training mode)."""
+    P = eng.n_params
+    w = (state[:P] + at).detach().requires_grad_(True)
+    bufs = state[P:].clone()
+    eng.model.train()
+    logits = eng.functional_logits(w, x, bufs)  # updates the running statistics in bufs
+    loss = torch.nn.functional.cross_entropy(logits, y) + 0.5 * MU * ((w - ref[:P]) ** 2).sum()
+    (g,) = torch.autograd.grad(loss, w)
+    return loss.detach(), g, bufs
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("image", [False, True], ids=["mlp", "bn_cnn_augment"])
+def test_batch_grad_at_a_perturbation_with_terms(image):
+    """`batch.grad(states, at=, terms=)` on both backends: each client's gradient at its
+    w + at of its cross-entropy plus a per-client proximal term equals autograd by hand on
+    the same batch (clients of 8, 6 and 8 samples on the CNN: two groups of batch lengths on
+    vmap), the running statistics updated as that forward updates them, and the parameters
+    left where they were."""
+    out = {}
+    for backend in ("sequential", "vmap"):
+        eng, states = engine(image, backend)
+        gen = torch.Generator().manual_seed(2)
+        P = eng.n_params
+        at = (0.05 * torch.randn(3, P, generator=gen)).to(states.device)
+        ref = states + torch.randn(states.shape, generator=gen).to(states.device)
+        st = {"w": states, "at": at, "ref": ref, "g": torch.zeros_like(at)}
+        res = eng.client_steps(st, [0, 1, 2], perturbed_prox_step, batch_size=8, steps=1, round=4)
+        assert eng.backend_for(3, client_steps=True) == backend
+        for c in range(3):
+            ((x, y),) = eng.batches(c, 8, steps=1, round=4)
+            loss, g, bufs = by_hand(eng, states[c], at[c], ref[c], x, y)
+            torch.testing.assert_close(res.aux[0, c], loss, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(res.states["g"][c], g, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(res.states["w"][c, P:], bufs, rtol=1e-5, atol=1e-6)
+            # the parameters stay (sequential adds `at` and subtracts it: the last bits move)
+            torch.testing.assert_close(res.states["w"][c, :P], states[c, :P])
+        if image:
+            assert not torch.equal(res.states["w"][:, P:], states[:, P:])  # statistics moved
+        out[backend] = res
+    seq, vm = out["sequential"], out["vmap"]
+    torch.testing.assert_close(vm.states["g"], seq.states["g"], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(vm.states["w"], seq.states["w"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(vm.aux, seq.aux, rtol=1e-5, atol=1e-6)

@@ -7,7 +7,10 @@ on F_i(theta) + (lambda / 2) ||theta - w^t||^2 (eq. 2) each time client i is sam
 lambda = 0.1 (FedSLR's setting; the Ditto authors' scripts use 1, PLGU gives none).
 `interleave`: false (default) runs the global phase, then the personal one; true is the
 authors' code: on each batch, one personal step, then one global step (then
-`personal_epochs` must equal `local_epochs`).
+`personal_epochs` must equal `local_epochs`), a step function over all sampled clients at
+once (`interleaved_step`, `Engine.client_steps`: vmap, or client after client on the
+sequential backend, as `Engine.backend_for` picks; optimizer state per client in the slots
+"personal" and "main", as the two phases keep theirs).
 Reports w and theta_i; a client never sampled deploys w. Not a reconstruction.
 Uploads: each client's trained global copy w_i (kind "model", ref = w^t); theta_i stays home.
 Buffers: w's averaged (weights >= 0) with its parameters; theta_i keeps its own (kept local).
@@ -24,7 +27,7 @@ import torch
 from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, TrainedOrGlobal
 from fedbench.algorithms.params import Weighting, hp, nonneg
-from fedbench.engine import Proximal
+from fedbench.engine import ClientStep, Proximal, StepBatch
 from fedbench.engine.optim import step_
 from fedbench.errors import ConfigError
 
@@ -64,29 +67,54 @@ class Ditto(TrainedOrGlobal, Algorithm):
         self.w = self.engine.initial_state()
         self.init_rows()
 
-    def interleaved(self, i: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The authors' loop for client i: (theta_i, w_i, mean global loss)."""
-        eng, P, lr = self.engine, self.engine.n_params, self.optim.lr_at(t)
-        theta, w = self.theta[i].clone(), self.w.clone()
-        prox = Proximal(self.w, self.lam)
-        st_p = eng.optim_states.get(self.optim, "personal", i, theta[:P])
-        st_g = eng.optim_states.get(self.optim, "main", i, w[:P])
-        losses = []
-        for x, y in eng.batches(i, self.run.batch_size, epochs=self.run.local_epochs, round=t):
-            _, g = eng.grad_at(theta, x, y, terms=[prox], rows=[prox.rows(0)])
-            step_(self.optim, theta[:P], g, st_p, lr)
-            loss, g = eng.grad_at(w, x, y)
-            losses.append(loss)
-            step_(self.optim, w[:P], g, st_g, lr)
-        eng.optim_states.keep(self.optim, "personal", i, st_p)
-        eng.optim_states.keep(self.optim, "main", i, st_g)
-        return theta, w, torch.stack(losses).mean()
+    def interleaved_step(self, t: int, ost_keys: tuple[str, ...]) -> ClientStep:
+        """One batch of the authors' loop in round t (`Engine.client_steps`): one step of the
+        run's optimizer on theta_i's F_b(theta) + (lambda / 2) ||theta - w^t||^2 (eq. 2),
+        then one on w_i's F_b. Aux: the global copy's losses [k]."""
+        P, lr = self.engine.n_params, self.optim.lr_at(t)
+        prox = Proximal(self.w, self.lam)  # shared by all clients: w^t
+
+        def step(st: dict[str, torch.Tensor], batch: StepBatch):
+            theta, w = st["theta"], st["w"]
+            _, g = batch.grad(theta, terms=[prox])
+            step_(self.optim, theta[:, :P], g, {k: st["p." + k] for k in ost_keys}, lr)
+            loss, g = batch.grad(w)
+            step_(self.optim, w[:, :P], g, {k: st["g." + k] for k in ost_keys}, lr)
+            return st, loss
+
+        return step
+
+    def interleaved(self, clients: list[int], t: int) -> tuple[torch.Tensor, ...]:
+        """The authors' loop for the clients, all at once where the engine can:
+        (theta_i [C, D], w_i [C, D], mean global loss of each [C])."""
+        eng, P = self.engine, self.engine.n_params
+        ids = torch.as_tensor(clients, device=self.device)
+        theta, w = self.theta[ids], self.w.repeat(len(clients), 1)
+        st_p = eng.optim_states.get(self.optim, "personal", ids, theta[:, :P])
+        st_g = eng.optim_states.get(self.optim, "main", ids, w[:, :P])
+        states = {
+            "theta": theta,
+            "w": w,
+            **{"p." + k: v for k, v in st_p.items()},
+            **{"g." + k: v for k, v in st_g.items()},
+        }
+        res = eng.client_steps(
+            states,
+            clients,
+            self.interleaved_step(t, tuple(st_p)),
+            batch_size=self.run.batch_size,
+            epochs=self.run.local_epochs,
+            round=t,
+        )
+        out = res.states
+        eng.optim_states.keep(self.optim, "personal", ids, {k: out["p." + k] for k in st_p})
+        eng.optim_states.keep(self.optim, "main", ids, {k: out["g." + k] for k in st_g})
+        return out["theta"], out["w"], res.client_mean()
 
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
         if self.hp.interleave:
-            thetas, ws, losses = zip(*(self.interleaved(int(i), t) for i in clients))
-            theta, local, loss = torch.stack(thetas), torch.stack(ws), torch.stack(losses)
+            theta, local, loss = self.interleaved([int(i) for i in clients], t)
         else:
             glob = self.local_train(self.w, clients, t)
             pers = self.local_train(

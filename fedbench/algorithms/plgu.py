@@ -44,7 +44,12 @@ visit), each through `receive` as a model with ref = the state the client traine
 Buffers: PLGU-LF: w's averaged (weights >= 0: w + sum a_i (w_i - w) with a_i >= 0 summing to 1
 is a convex mix), theta_i keeps its own (kept local); PLGU-GRep: averaged (weights >= 0)
 with the body, as FedRep; PLGU-GHN: shared and averaged by sample count, as pFedHN.
-Every hand-written step runs in training mode (`Engine.grad_at`).
+PLGU-LF's local steps and PLGU-GRep's body steps are step functions over explicit
+per-client rows (`PLGULF.step`, `PLGUGRep.body_lwsam_step`), run for all sampled clients at
+once (`Engine.client_steps`: vmap, or client after client on the sequential backend, as
+`Engine.backend_for` picks; the perturbed gradient is `batch.grad(rows, at=eps)`); PLGU-LF
+keeps its optimizer state per client in the slots "personal" and "universal". Every step
+runs in training mode.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, Trained
 from fedbench.algorithms.fedrep import FedRep
 from fedbench.algorithms.params import Weighting, hp, nonneg
 from fedbench.algorithms.pfedhn import PFedHN, PFedHNParams
-from fedbench.engine import SAM, TrainResult
+from fedbench.engine import SAM, ClientStep, StepBatch, TrainResult
 from fedbench.engine.lwsam import (
     LayerMap,
     layer_scores,
@@ -132,49 +137,71 @@ class PLGULF(TrainedOrGlobal, Algorithm):
         self.init_rows()
 
     def personal_layers(self, xi: torch.Tensor) -> torch.Tensor:
-        """Alg. 2 line 7: [L] bool, True on the layers with the largest scores (L_Per)."""
+        """Alg. 2 line 7: [..., L] bool, True on the layers with the largest scores (L_Per)
+        of each row of xi [..., L]."""
         L, D = self.layers.n, self.hp.personal_layers
         n_per = min(D, L) if self.hp.d_counts == "personal" else max(L - D, 0)
-        order = torch.sort(xi, descending=True, stable=True).indices
-        per = torch.zeros(L, dtype=torch.bool, device=xi.device)
-        per[order[:n_per]] = True
-        return per
+        order = torch.sort(xi, dim=-1, descending=True, stable=True).indices
+        per = torch.zeros(xi.shape, dtype=torch.bool, device=xi.device)
+        return per.scatter_(-1, order[..., :n_per], True)
 
-    def client(self, i: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Algorithm 1 for client i: (theta_i, w_i, mean personal loss)."""
-        eng, P = self.engine, self.engine.n_params
-        w = self.w.clone()
-        theta = self.theta[i].clone() if self.seen[i] else self.w.clone()
-        xi = layer_scores(theta, w, self.layers)  # eq. 6
-        per = self.layers.mask(self.personal_layers(xi))  # [P]
-        theta[:P] = torch.where(per, theta[:P], w[:P])  # Alg. 2 line 8
+    def start(self, clients: list[int]) -> dict[str, torch.Tensor]:
+        """Alg. 2 lines 6-8 for the clients: their rows theta_i^0, w_i^0 = w [C, D] and
+        LWSAM scales [C, P] (eq. 6 scores of (theta_i, w), the D largest personal)."""
+        P = self.engine.n_params
+        ids = torch.as_tensor(clients, device=self.device)
+        w = self.w.repeat(len(clients), 1)
+        theta = torch.where(self.seen[ids, None], self.theta[ids], w)
+        xi = layer_scores(theta, w, self.layers)  # eq. 6, [C, L]
+        per = self.layers.mask(self.personal_layers(xi))  # [C, P]
+        theta[:, :P] = torch.where(per, theta[:, :P], w[:, :P])  # Alg. 2 line 8
         keep = ~per if self.hp.perturb == "universal" else None
         scale = lwsam_scale(normalize_scores(xi, self.rule), self.layers, keep)
-        sam = SAM(self.hp.rho, scale)
-        lr = self.optim.lr_at(t)
-        st_p = eng.optim_states.get(self.optim, "personal", i, theta[:P])
-        st_u = eng.optim_states.get(self.optim, "universal", i, w[:P])
-        losses = []
-        for x, y in eng.batches(i, self.run.batch_size, epochs=self.run.local_epochs, round=t):
-            loss, g = eng.grad_at(theta, x, y)  # (a) g = grad F_b(theta_i)
-            losses.append(loss)
-            eps = sam.perturbation(g, sam.scale)  # (b) eps from the same g
-            step_(self.optim, theta[:P], g, st_p, lr)  # (a) theta_i <- theta_i - eta g
-            if self.hp.ascent_grad == "universal":  # (b) instead: ascent gradient at w_i (SAM)
-                eps = sam.perturbation(eng.grad_at(w, x, y)[1], sam.scale)
-            _, g = eng.grad_at(w, x, y, at=eps)  # (c) g~ = grad F_b(w_i + eps)
-            step_(self.optim, w[:P], g, st_u, lr)  # w_i <- w_i - eta g~
-        eng.optim_states.keep(self.optim, "personal", i, st_p)
-        eng.optim_states.keep(self.optim, "universal", i, st_u)
-        return theta, w, torch.stack(losses).mean()
+        return {"theta": theta, "w": w, "scale": scale}
+
+    def step(self, t: int, ost_keys: tuple[str, ...]) -> ClientStep:
+        """One batch of Algorithm 1 in round t (`Engine.client_steps`): (a) g = grad
+        F_b(theta_i), theta_i <- theta_i - eta g; (b) eps = LWSAM(g, xi); (c) w_i <- w_i -
+        eta grad F_b(w_i + eps). Aux: the personal losses [k]."""
+        P, lr, sam = self.engine.n_params, self.optim.lr_at(t), SAM(self.hp.rho)
+        universal = self.hp.ascent_grad == "universal"
+
+        def step(st: dict[str, torch.Tensor], batch: StepBatch):
+            theta, w, scale = st["theta"], st["w"], st["scale"]
+            loss, g = batch.grad(theta)  # (a) g = grad F_b(theta_i)
+            eps = sam.perturbation(g, scale)  # (b) eps from the same g
+            step_(self.optim, theta[:, :P], g, {k: st["p." + k] for k in ost_keys}, lr)  # (a)
+            if universal:  # (b) instead: the ascent gradient at w_i (SAM)
+                eps = sam.perturbation(batch.grad(w)[1], scale)
+            _, g = batch.grad(w, at=eps)  # (c) g~ = grad F_b(w_i + eps)
+            step_(self.optim, w[:, :P], g, {k: st["u." + k] for k in ost_keys}, lr)
+            return st, loss
+
+        return step
 
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
-        thetas, ws, losses = zip(*(self.client(int(i), t) for i in clients))
+        eng, P, ids = self.engine, self.engine.n_params, [int(i) for i in clients]
         idx = torch.as_tensor(clients, device=self.device)
-        self.set_trained(idx, torch.stack(thetas))
-        delta = self.receive(torch.stack(ws), clients, ref=self.w) - self.w  # Alg. 2 line 10
+        states = self.start(ids)
+        st_p = eng.optim_states.get(self.optim, "personal", idx, states["theta"][:, :P])
+        st_u = eng.optim_states.get(self.optim, "universal", idx, states["w"][:, :P])
+        states.update({"p." + k: v for k, v in st_p.items()})
+        states.update({"u." + k: v for k, v in st_u.items()})
+        res = eng.client_steps(
+            states,
+            ids,
+            self.step(t, tuple(st_p)),
+            batch_size=self.run.batch_size,
+            epochs=self.run.local_epochs,
+            round=t,
+        )
+        out = res.states
+        eng.optim_states.keep(self.optim, "personal", idx, {k: out["p." + k] for k in st_p})
+        eng.optim_states.keep(self.optim, "universal", idx, {k: out["u." + k] for k in st_u})
+        self.set_trained(idx, out["theta"])
+        delta = self.receive(out["w"], clients, ref=self.w) - self.w  # Alg. 2 line 10
         self.w = self.w + self.weights(clients, self.hp.weighting) @ delta  # line 11
-        return RoundReport(torch.stack(losses).mean(), self.comm(clients))
+        return RoundReport(res.client_mean().mean(), self.comm(clients))
 
 
 @ALGORITHMS.register("plgu_grep")
@@ -202,35 +229,54 @@ class PLGUGRep(FedRep):
             )
 
     def body_step(self, s: torch.Tensor, g: torch.Tensor, lr: float) -> None:
-        """phi <- phi - eta g: one step of the run's optimizer from a fresh state
-        (SGD: eta (g + wd phi)), on the body only."""
+        """phi <- phi - eta g on rows s [k, D]: one step of the run's optimizer from a fresh
+        state (SGD: eta (g + wd phi)), on the body only."""
         P = self.engine.n_params
-        step_(self.optim, s[:P], g, init_state(self.optim, s[:P]), lr, mask=self.body_mask)
+        w = s[:, :P]
+        step_(self.optim, w, g, init_state(self.optim, w), lr, mask=self.body_mask)
+
+    def body_lwsam_step(self, t: int) -> ClientStep:
+        """One mini-batch of eqs. 10-13 in round t (`Engine.client_steps`), head frozen, on
+        the rows `s` (phi_i with the client's head) and `ref` (eq. 10's reference). Aux:
+        the losses of eq. 11's gradient [k]."""
+        rho, lr, body = self.hp.rho, self.optim.lr_at(t), self.body_mask
+
+        def step(st: dict[str, torch.Tensor], batch: StepBatch):
+            s = st["s"]
+            loss, g = batch.grad(s)  # eq. 11: phi_i = phi - eta g
+            self.body_step(s, g, lr)
+            xi = normalize_scores(layer_scores(s, st["ref"], self.body_layers), self.rule)
+            _, g = batch.grad(s)  # eq. 12: eps from the body gradient at phi_i (xi: eq. 10)
+            eps = lwsam_perturbation(g * body, xi, self.body_layers, rho)
+            _, g = batch.grad(s, at=eps)  # eq. 13: phi~_i = phi_i - eta g(phi_i + eps)
+            self.body_step(s, g, lr)
+            return st, loss
+
+        return step
 
     def body_phase(self, states: torch.Tensor, clients, t: int) -> TrainResult:
         """Eqs. 10-13, `body_steps` times, each on one mini-batch; head frozen."""
-        eng, body = self.engine, self.body_mask
-        rho, lr = self.hp.rho, self.optim.lr_at(t)
-        out, losses = states.clone(), []
-        for c, i in enumerate(int(i) for i in clients):
-            s = out[c]
-            ref = states[c]
-            if self.uploaded is not None and not self.uploaded[i].isnan().any():
-                ref = self.uploaded[i]
-            steps = self.hp.body_steps
-            for x, y in eng.batches(i, self.run.batch_size, steps=steps, round=t, salt=2):
-                loss, g = eng.grad_at(s, x, y)  # eq. 11: phi_i = phi - eta g
-                losses.append(loss)
-                self.body_step(s, g, lr)
-                xi = normalize_scores(layer_scores(s, ref, self.body_layers), self.rule)  # eq. 10
-                _, g = eng.grad_at(s, x, y)  # eq. 12: eps from the body gradient at phi_i
-                eps = lwsam_perturbation(g * body, xi, self.body_layers, rho)
-                _, g = eng.grad_at(s, x, y, at=eps)  # eq. 13: phi~_i = phi_i - eta g(phi_i + eps)
-                self.body_step(s, g, lr)
-            if self.uploaded is not None:
-                self.uploaded[i] = s
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
-        return TrainResult(out, loss.expand(len(out)), [self.hp.body_steps] * len(out))
+        ids = [int(i) for i in clients]
+        ref = states
+        if self.uploaded is not None:  # last_upload: the body each client uploaded last time
+            last = self.uploaded[torch.as_tensor(ids, device=self.device)]
+            ref = torch.where(last.isnan().any(-1, keepdim=True), states, last)
+        res = self.engine.client_steps(
+            {"s": states, "ref": ref},
+            ids,
+            self.body_lwsam_step(t),
+            batch_size=self.run.batch_size,
+            steps=self.hp.body_steps,
+            round=t,
+            salt=2,
+        )
+        out = res.states["s"]
+        if self.uploaded is not None:
+            self.uploaded[torch.as_tensor(ids, device=self.device)] = out
+        # the mean over all clients' losses, client after client
+        losses = [res.aux[:n, c] for c, n in enumerate(res.steps)]
+        loss = torch.cat(losses).mean() if sum(res.steps) else torch.zeros((), device=self.device)
+        return TrainResult(out, loss.expand(len(out)), res.steps)
 
 
 @ALGORITHMS.register("plgu_ghn")

@@ -217,15 +217,17 @@ class Engine:
            scripts/bench_engine.py), sequential with convolutions (vmap makes them grouped
            convolutions, 2x slower there than a loop on the FedAvg CNN round).
 
-        `client_steps` (an algorithm's own step function: pFedMe, Per-FedAvg) is chosen the
+        `client_steps` (an algorithm's own step function: pFedMe, Per-FedAvg, Ditto's
+        interleaved mode, PLGU-LF, PLGU-GRep's body steps) is chosen the
         same way (never a custom objective: its batches' `grad` is the cross-entropy), but
         auto on a CPU picks sequential: a step function's own vector updates run over [k, P]
         rows that outgrow the cache where one client's [P] row stays in it (pFedMe on the
         FMNIST MLP of scripts/bench_algorithms.py, quiet machine: 8.8x FedAvg's round
-        sequential, 10.5x on vmap), and the sequential path keeps their numbers bit-identical
-        to the per-client loops they replaced. Loops
-        still hand-written per client (`algorithms/_steps.py`: APPLE, Ditto's interleaved
-        mode, FedSLR, pFedHN, PLGU) run on the module, never through this choice.
+        sequential, 10.5x on vmap; Ditto's interleaved steps, PLGU-LF and PLGU-GRep were no
+        faster on vmap there, within the noise of a loaded machine), and the sequential path
+        keeps their numbers bit-identical to the per-client loops they replaced. Loops
+        still hand-written per client (`algorithms/_steps.py`: APPLE, FedSLR, pFedHN,
+        PLGU-GHN) run on the module, never through this choice.
         """
         if self.backend == "sequential":
             return "sequential"
@@ -377,8 +379,9 @@ class Engine:
         tensor of `states` ({name: [C, ...]}) for client `clients[c]`; returns the rows after
         the clients' last steps and each step's aux (`plan.ClientStep`, `StepsResult`).
 
-        `batch.grad(rows [k, D])` is the batched primitive: each client's loss [k] and
-        gradient [k, P] of the cross-entropy on its own batch, its buffers updated in place.
+        `batch.grad(rows [k, D], at=, terms=)` is the batched primitive: each client's loss
+        [k] and gradient [k, P] of the cross-entropy (+ `terms`) on its own batch, at its
+        parameters (+ `at` [k, P], SAM's second gradient), its buffers updated in place.
         Sequential: client after client with k = 1 (`FlatModule.grad_at`, a hand-written
         loop's numbers); vmap: at step s, every client that has an s-th batch at once.
         """

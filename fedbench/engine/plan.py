@@ -17,10 +17,12 @@ built (the model and its `ModelSpec`, the federation's batches, the `Schedule`, 
 `client_steps` is the client-step vocabulary for client work that `train` cannot express
 (pFedMe's inner loops): the algorithm writes one step of one client's loop as a function of
 explicit state, `step(state, batch) -> (state, aux)`, where `state` holds rows [k, ...] of
-the k clients that take this step and `batch.grad(states [k, D])` is the batched primitive
-(per-client loss [k] and gradient [k, P], buffers updated in place). The sequential backend
-calls it with k = 1, client after client, on its module (`FlatModule.grad_at`); the vmap
-backend with all clients that still have a batch at step s at once (`torch.func`).
+the k clients that take this step and `batch.grad(states [k, D], at=, terms=)` is the
+batched primitive (per-client loss [k] and gradient [k, P], buffers updated in place;
+optionally at the parameters + `at`, SAM's second gradient, and with loss `Term`s). The
+sequential backend calls it with k = 1, client after client, on its module
+(`FlatModule.grad_at`); the vmap backend with all clients that still have a batch at step s
+at once (`torch.func`).
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class SAM:
     scale: torch.Tensor | None = None
 
     def perturbation(self, g: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        e = g * (self.rho / (g.norm() + 1e-12))
+        """eps of a gradient g [P], or of each row of g [k, P] (a step function's clients)."""
+        e = g * (self.rho / (g.norm(dim=-1, keepdim=True) + 1e-12))
         return e if scale is None else e * scale
 
 
@@ -144,10 +147,20 @@ class StepBatch(Protocol):
 
     index: int
 
-    def grad(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def grad(
+        self,
+        states: torch.Tensor,
+        *,
+        at: torch.Tensor | None = None,
+        terms: Sequence[Term] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss [k], gradient [k, P]) of each client's cross-entropy on its own batch at its
         flat state (row of `states` [k, D]), in training mode; each row's buffers (BatchNorm
-        running statistics) are updated in place as that client's forward updated them."""
+        running statistics) are updated in place as that client's forward updated them.
+
+        `at` [k, P]: evaluated at the parameters + `at` (SAM's second gradient), terms too.
+        `terms`: loss terms added to each client's cross-entropy (`Term`), their per-client
+        tensors rows [k, ...] in the order of `states`, shared ones as they are."""
         ...
 
 

@@ -13,10 +13,13 @@ augmentation (as the `Schedule` draws it per client and batch). `full_grads` rea
 client's whole training set in blocks without augmentation, the module in training mode
 (BatchNorm on the block's statistics; the buffers after the pass come back as
 `GradResult.buffers`). `client_steps` runs an algorithm's step function client after client
-with k = 1, its gradients from `FlatModule.grad_at` (what hand-written loops call).
+with k = 1, its gradients from `FlatModule.grad_at` (what hand-written loops call, `at` and
+terms included: the numbers of the per-client loops the step functions replaced).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +38,7 @@ from fedbench.engine.plan import (
 )
 from fedbench.engine.schedule import Schedule
 from fedbench.engine.store import OptimStates
+from fedbench.engine.terms import Term
 
 
 class OneClient:
@@ -43,8 +47,22 @@ class OneClient:
     def __init__(self, module: FlatModule, x: torch.Tensor, y: torch.Tensor, index: int) -> None:
         self.module, self.x, self.y, self.index = module, x, y, index
 
-    def grad(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        loss, g = self.module.grad_at(states[0], self.x, self.y)
+    def grad(
+        self,
+        states: torch.Tensor,
+        *,
+        at: torch.Tensor | None = None,
+        terms: Sequence[Term] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # exactly a hand-written loop's call: the terms' rows are the client's (position 0)
+        loss, g = self.module.grad_at(
+            states[0],
+            self.x,
+            self.y,
+            at=None if at is None else at[0],
+            terms=terms,
+            rows=[t.rows(0) for t in terms],
+        )
         return loss[None], g[None]
 
 

@@ -31,7 +31,8 @@ Equal to the sequential backend, by construction:
 - `client_steps` (an algorithm's own step function, `plan.ClientStep`) walks the same
   stacked schedules step by step: at step s the clients that still have a batch (a prefix,
   longest first) take it together; their `MappedBatch.grad` is the mapped gradient of the
-  same `_loss`, in the same groups of batch lengths, buffers as above.
+  same `_loss` (with the step's terms, at W + `at` for SAM), in the same groups of batch
+  lengths, buffers as above.
 
 Full gradients (`full_grads`, FedPG's client reports): each client's whole training set,
 padded to the longest with weight 0 and each real sample weighted 1/n_c, one batched pass per
@@ -397,22 +398,36 @@ class MappedBatch:
         self.backend, self.x, self.y, self.wt, self.lens = backend, x, y, wt, lens
         self.index = index
 
-    def grad(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def grad(
+        self,
+        states: torch.Tensor,
+        *,
+        at: torch.Tensor | None = None,
+        terms: Sequence[Term] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         be = self.backend
         P, k, B = be.spec.n_params, states.shape[0], self.x.shape[1]
-        fn = be._plain_grad()
+        if terms:  # the terms' per-client rows map with the clients, shared ones broadcast
+            tensors = [v for t in terms for v in t.tensors()]
+            dims = [0 if pc else None for t in terms for pc in t.per_client]
+            fn = vmap(grad_and_value(be._loss(terms)), in_dims=(0, 0, 0, 0, 0, *dims))
+        else:
+            tensors, dims, fn = [], [], be._plain_grad()
         W, bufs = states[:, :P], be._buffers(states)
+        if at is not None:  # SAM's second gradient: at W + at (`states` keeps W)
+            W = W + at
         groups = be._groups(self.lens, B)
         if len(groups) == 1 and isinstance(groups[0][0], slice):  # all k clients: no copies
             n = groups[0][1]
-            g, loss = fn(W, bufs, self.x[:, :n], self.y[:, :n], self.wt[:, :n])
+            g, loss = fn(W, bufs, self.x[:, :n], self.y[:, :n], self.wt[:, :n], *tensors)
         else:
             g = states.new_zeros(k, P)
             loss = states.new_zeros(k)
             for sel, n in groups:
                 b = {name: v[sel] for name, v in bufs.items()}
                 x, y, wt = self.x[sel, :n], self.y[sel, :n], self.wt[sel, :n]
-                g[sel], loss[sel] = fn(W[sel], b, x, y, wt)
+                ts = [v[sel] if d == 0 else v for v, d in zip(tensors, dims)]
+                g[sel], loss[sel] = fn(W[sel], b, x, y, wt, *ts)
                 if isinstance(sel, torch.Tensor):
                     for name, v in b.items():
                         bufs[name][sel] = v
