@@ -6,7 +6,8 @@ checkpoint state and every client's personalized predictions agree. One round of
 a smaller TinyFed of 1x6x6 images through a BatchNorm CNN (running statistics as per-client batched
 buffers, batches of unequal length at an epoch's end), with and without random crops and
 flips (`data.augment`: draws keyed by seed, round, client, salt and batch), the same way.
-Where vmap cannot run the sequential computation (a custom objective, dropout) the engine
+Custom objectives (FedProto, FedRoD, MOON, ...) run on vmap at each client's mapped state;
+where vmap cannot run the sequential computation (dropout, FedCP's Gumbel noise) the engine
 falls back to sequential, and both runs would take one path (the vmap run alone is made);
 elsewhere it checks the algorithm's own use of the engine (its terms, trainable masks,
 per-client rows) under batched training. New algorithms are covered as soon as they are
@@ -127,6 +128,10 @@ CLIENT_STEPS = {
     "plgu_grep": [],
     "plgu_lf": [],
 }
+# Algorithms with a custom objective that vmap runs (`client_row`): their vmap run must map.
+MAPPED_OBJECTIVES = {
+    "apfl", "feddbe", "fedem", "fedpac", "fedproto", "fedrod", "gpfl", "moon", "splitgp"
+}  # fmt: skip
 # Settings that keep a case within seconds (pFedMe's 20 batches x 5 inner steps are 100
 # mapped gradients per round, about 30 s through the BatchNorm CNN on 2 CPU cores).
 CHEAP = {"pfedme": ["algo.local_rounds=3", "algo.inner_steps=2"]}
@@ -136,7 +141,7 @@ def assert_same_runs(name: str, monkeypatch, rounds: int, image=None, extra=()) 
     """The vmap run equals the sequential one (where vmap ran at all)."""
     extra = (*CHEAP.get(name, ()), *extra)
     vm_state, vm_hits, vm_chosen = run_rounds(name, "vmap", monkeypatch, rounds, image, extra)
-    if name in CLIENT_STEPS:
+    if name in CLIENT_STEPS or name in MAPPED_OBJECTIVES:
         assert "vmap" in vm_chosen, vm_chosen
     if "vmap" not in vm_chosen:
         # every train call fell back to sequential (or the algorithm trains without the

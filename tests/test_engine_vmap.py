@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from conftest import TinyFed, run_small
-from fedbench.engine import SAM, Engine, Linear, OptimConfig, Proximal
+from fedbench.engine import SAM, Engine, Linear, OptimConfig, Proximal, sequential_objective
 from fedbench.engine.vmap import stack_schedules
 from fedbench.models import build_model
 
@@ -150,7 +150,10 @@ def test_auto_rule(tiny_fed, caplog):
         assert eng.backend_for(3) == "vmap"
     assert sum("engine backend vmap" in r.message for r in caplog.records) == 1  # logged once
     assert eng.backend_for(1) == "sequential"  # nothing to batch
-    assert eng.backend_for(3, objective=lambda m, x, y, c: m(x).sum()) == "sequential"
+    objective = lambda m, x, y, c: m(x).sum()  # noqa: E731
+    assert eng.backend_for(3, objective=objective) == "vmap"  # run at each client's state
+    marked = sequential_objective(lambda m, x, y, c: m(x).sum(), "draws its own noise")
+    assert eng.backend_for(3, objective=marked) == "sequential"
     conv = nn.Sequential(nn.Unflatten(1, (1, 6)), nn.Conv1d(1, 2, 3), nn.Flatten())
     conv_eng = Engine(tiny_fed, conv, device="cpu")
     assert conv_eng.backend_for(3) == "sequential"  # CPU: grouped convolutions are slow

@@ -82,6 +82,7 @@ from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import TrainerLayout, base_columns, make_engine, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import nonneg, positive
+from fedbench.engine import client_row, sequential_objective
 from fedbench.errors import ConfigError
 
 # The RBF kernel mixture of the authors' MMD (clientcp.py, kernel "rbf"):
@@ -164,7 +165,7 @@ def fedcp_loss(
     """CE(out_i, y) + lambda MMD^2(W_i^fe(x), W^fe(x)) for the client at position c (its
     conditional input ctx[c], its noise generator gens[c])."""
     h = model.body(x)
-    loss = F.cross_entropy(model.mix(h, ctx[c], None if gens is None else gens[c]), y)
+    loss = F.cross_entropy(model.mix(h, client_row(ctx, c), None if gens is None else gens[c]), y)
     if lam:
         with torch.no_grad():  # W^fe is frozen: its features are a constant target
             g = model.gbody(x)
@@ -268,6 +269,8 @@ class FedCP(TrainerLayout, Algorithm):
             lam=self.hp.lam,
             gens=self.generators(t, clients) if self.hp.gumbel else None,
         )
+        if self.hp.gumbel:
+            loss = sequential_objective(loss, "Gumbel noise drawn from per-client generators")
         res = train_on(
             self, self.trainer, start, clients, t, objective=loss, trainable=self.trainable
         )

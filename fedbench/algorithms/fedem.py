@@ -68,6 +68,7 @@ from torch.func import functional_call
 from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, hp
+from fedbench.engine import client_row
 from fedbench.engine.plan import Objective
 
 
@@ -98,7 +99,7 @@ def weighted_objective(spec, frozen: torch.Tensor, log_pi: torch.Tensor, m: int)
             logits = [functional_call(model, v, (x,)) for v in views]
             losses = torch.stack([F.cross_entropy(z, y, reduction="none") for z in logits])
             model.train()
-            q = e_step(log_pi[c], losses)[:, m]
+            q = e_step(client_row(log_pi, c), losses)[:, m]
         return (q * F.cross_entropy(model(x), y, reduction="none")).mean()
 
     return objective

@@ -76,7 +76,7 @@ from fedbench.algorithms._qp import gram, min_norm_weights
 from fedbench.algorithms._shared import aggregate_prototypes, feature_moments, state_entries
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, hp, nonneg, positive
-from fedbench.engine import TrainResult
+from fedbench.engine import TrainResult, client_row
 
 ALPHA_EPS = 1e-3  # combination weights below this are dropped (the authors' `eps`)
 
@@ -133,7 +133,7 @@ def alignment_loss(
     """CE(head(f(x)), y) + lam (1/(B d)) sum_b ||f(x_b) - targets[c, y_b]||^2 (step 3);
     `targets` [C, K, d]: per position c in the train call, the centroid each class pulls to."""
     f = model.features(x)
-    return F.cross_entropy(model.head(f), y) + lam * F.mse_loss(f, targets[c][y])
+    return F.cross_entropy(model.head(f), y) + lam * F.mse_loss(f, client_row(targets, c)[y])
 
 
 @ALGORITHMS.register()

@@ -41,6 +41,7 @@ from torch import nn
 from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import TrainerLayout, make_engine, state_entries, train_on
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
+from fedbench.engine import client_row
 from fedbench.errors import ConfigError
 
 
@@ -67,7 +68,7 @@ def rod_loss(model: TwoHeadModel, x, y, c, log_prior: torch.Tensor) -> torch.Ten
     """Balanced softmax CE of the generic head + CE of the personal head on detached inputs."""
     z = model.body(x)
     out_g = model.head(z)
-    generic = F.cross_entropy(out_g + log_prior[c], y)
+    generic = F.cross_entropy(out_g + client_row(log_prior, c), y)
     personal = F.cross_entropy(out_g.detach() + model.phead(z.detach()), y)
     return generic + personal
 

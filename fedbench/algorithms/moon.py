@@ -66,6 +66,7 @@ from torch.func import functional_call
 from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, TrainedOrGlobal
 from fedbench.algorithms.params import Weighting, nonneg, positive
+from fedbench.engine import client_row
 from fedbench.engine.spec import ModelSpec
 from fedbench.errors import ConfigError
 
@@ -135,7 +136,7 @@ class ModelContrastive:
         z = model.features(x)
         ce = F.cross_entropy(model.head(z), y)
         z_glob = self.represent(self.glob, x)
-        z_prev = self.represent(self.prev[c], x)
+        z_prev = self.represent(client_row(self.prev, c), x)
         return ce + self.mu * contrastive_loss(z, z_glob, z_prev, self.tau)
 
 

@@ -36,6 +36,8 @@ from fedbench.engine.plan import (
     StepsResult,
     TrainPlan,
     TrainResult,
+    client_row,
+    sequential_objective,
 )
 from fedbench.engine.rows import ClientRows, RowsPolicy
 from fedbench.engine.spec import ModelSpec
@@ -57,4 +59,6 @@ __all__ = [
     "Term",
     "TrainPlan",
     "TrainResult",
+    "client_row",
+    "sequential_objective",
 ]

@@ -204,11 +204,14 @@ class Engine:
         by (seed, round, client, salt, batch), not read in call order.
 
         1. `sequential` when asked, and where vmap cannot run the same computation (an
-           explicit `vmap` falls back there too): a custom `objective` (an arbitrary callable
-           on the stateful module, not a function of the client's state that vmap can map);
-           dropout (its masks come from torch's global generator inside the forward, drawn
-           in the order forwards run); BatchNorm with momentum=None (its cumulative average
-           reads a step counter as a Python number, one per module, not per client).
+           explicit `vmap` falls back there too): dropout (its masks come from torch's
+           global generator inside the forward, drawn in the order forwards run); BatchNorm
+           with momentum=None (its cumulative average reads a step counter as a Python
+           number, one per module, not per client); an objective marked
+           `sequential_objective` (FedCP's Gumbel noise from per-client generators). Any
+           other custom `objective` runs on vmap: it is called (through `functional_call`)
+           at each client's mapped state, with `c` the client's position as a 0-d tensor
+           (`client_row`).
         2. `vmap` when asked.
         3. auto, one client: sequential (nothing to batch).
         4. auto, CUDA: vmap (a per-client loop there is bound by kernel launches).
@@ -231,7 +234,7 @@ class Engine:
         """
         if self.backend == "sequential":
             return "sequential"
-        why_not = "a custom objective" if objective is not None else self._no_vmap
+        why_not = getattr(objective, "no_vmap", None) or self._no_vmap
         if why_not is not None:
             choice, why = "sequential", f"vmap unavailable: {why_not}"
         elif self.backend == "vmap":

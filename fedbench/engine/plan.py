@@ -37,8 +37,27 @@ from torch import nn
 from fedbench.engine.optim import OptimConfig
 from fedbench.engine.terms import Term
 
-# A replacement for the cross-entropy: objective(model, x, y, c) -> scalar loss.
+# A replacement for the cross-entropy: objective(model, x, y, c) -> scalar loss (the batch's
+# mean). `c` is the client's position in the train call: an int on the sequential backend, a
+# 0-d tensor under vmap, where the objective runs at each client's mapped state; read
+# per-client tensors with `client_row(t, c)`, never branch on c or on a tensor's value.
 Objective = Callable[[nn.Module, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def client_row(t: torch.Tensor, c: int | torch.Tensor) -> torch.Tensor:
+    """Row c of a per-client tensor t [C, ...] inside an `Objective`: `t[c]` for an int (the
+    sequential backend's c), an index_select under vmap (a mapped c cannot index directly)."""
+    if isinstance(c, int):
+        return t[c]
+    return t.index_select(0, c.reshape(1)).squeeze(0)
+
+
+def sequential_objective(objective: Objective, why: str) -> Objective:
+    """Mark an objective that vmap cannot run as the sequential backend does (it draws from
+    per-client generators, ...): the engine then trains its calls client after client,
+    saying `why` (`Engine.backend_for`)."""
+    objective.no_vmap = why  # type: ignore[attr-defined]
+    return objective
 
 
 @dataclass

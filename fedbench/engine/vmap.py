@@ -67,6 +67,7 @@ from fedbench.engine.plan import (
     ClientStep,
     GradPlan,
     GradResult,
+    Objective,
     StepPlan,
     StepsResult,
     TrainPlan,
@@ -149,8 +150,6 @@ class VmapBackend:
     # ------------------------------------------------------------------ training
     def train(self, plan: TrainPlan, states: torch.Tensor) -> TrainResult:
         """New states [C, D], the clients' mean losses [C] and their step counts."""
-        if plan.objective is not None:
-            raise ValueError("a custom objective runs on the sequential backend only")
         clients, optim, sam = plan.clients, plan.optim, plan.sam
         C, P, dev = len(clients), self.spec.n_params, self.device
         sched = [self.schedule.of(plan, c) for c in clients]
@@ -172,8 +171,9 @@ class VmapBackend:
             mine = order[lo : lo + k]  # positions on the host: no device-to-host copy
             draws = [self.schedule.draws_of(plan, clients[c], sched[c][0]) for c in mine]
             losses[pos] = self._train_chunk(
-                W, bufs, ost, chunk, draws, optim, plan.lr, plan.terms, plan.mask, sam, pos
-            )
+                W, bufs, ost, chunk, draws, optim, plan.lr, plan.terms, plan.mask, sam, pos,
+                plan.objective,
+            )  # fmt: skip
             self.optim_states.keep(optim, plan.slot, ids, ost)
             out[pos, :P] = W
             self._keep_buffers(out, pos, bufs)
@@ -192,10 +192,12 @@ class VmapBackend:
         mask: torch.Tensor | None,
         sam: SAM | None,
         rows: torch.Tensor,
+        objective: Objective | None = None,
     ) -> torch.Tensor:
         """All steps of one chunk of clients, ordered by step count (longest first); W [C, P],
         the buffers `bufs` and `ost` are updated in place. `draws`: each client's augmentation
-        draws (or None); `rows`: the clients' positions in the train call.
+        draws (or None); `rows`: the clients' positions in the train call, which a custom
+        `objective` receives as its `c` (a 0-d tensor under vmap: it indexes with it).
 
         Returns each client's mean loss over its own steps.
         """
@@ -204,15 +206,17 @@ class VmapBackend:
         aug = stack_draws(draws, idx.shape, dev)
         S, C, B = idx.shape
         training = [sum(n > s for n in n_steps) for s in range(S)]  # clients left at step s
-        # real samples per step [S][C] (batch statistics only: a host sync on a GPU)
-        lens = (wt > 0).sum(-1).tolist() if self.batch_stats else [[B] * C] * S
+        # real samples per step [S][C] (batch statistics or an objective, which takes the
+        # batch's mean itself: padding must stay out; a host sync on a GPU)
+        exact = self.batch_stats or objective is not None
+        lens = (wt > 0).sum(-1).tolist() if exact else [[B] * C] * S
         # the chunk's rows of per-client tensors: terms' references, LWSAM's scale
         tensors, dims = [], []
         for t in terms:
             for v, pc in zip(t.tensors(), t.per_client):
                 tensors.append(v[rows] if pc else v)
                 dims.append(0 if pc else None)
-        grad = vmap(grad_and_value(self._loss(terms)), in_dims=(0, 0, 0, 0, 0, *dims))
+        grad = vmap(grad_and_value(self._loss(terms, objective)), in_dims=(0, 0, 0, 0, 0, 0, *dims))
         scale, scale_dim = None, None
         if sam is not None:
             scale = sam.scale
@@ -227,13 +231,13 @@ class VmapBackend:
             w, b = W[sel], {k: v[sel] for k, v in bufs.items()}
             st = {k: v[sel] for k, v in ost.items()}
             ts = [v[sel] if d == 0 else v for v, d in zip(tensors, dims)]
-            x, y, ws = x[sel, :n], y[sel, :n], ws[sel, :n]
-            g, val = grad(w, b, x, y, ws, *ts)
+            x, y, ws, c = x[sel, :n], y[sel, :n], ws[sel, :n], rows[sel]
+            g, val = grad(w, b, x, y, ws, c, *ts)
             if sam is not None:
                 e = perturbation(g, scale[sel] if scale_dim == 0 else scale)
                 if mask is not None:
                     e = e * mask
-                g, _ = grad(w + e, b, x, y, ws, *ts)
+                g, _ = grad(w + e, b, x, y, ws, c, *ts)
             total[sel] += val
             step_(optim, w, g, st, lr, mask=mask)
             if isinstance(sel, torch.Tensor):
@@ -247,16 +251,19 @@ class VmapBackend:
             ix = idx[s, :k].reshape(-1)
             x, y = self.schedule.batch(ix, None if aug is None else aug[s, :k].reshape(-1, 3))
             x, y = x.view(k, B, *x.shape[1:]), y.view(k, B)
-            for sel, n in self._groups(lens[s][:k], B):
+            for sel, n in self._groups(lens[s][:k], B, exact):
                 step(sel, n, x, y, wt[s])
         return total / torch.tensor(n_steps, device=dev).clamp(min=1)
 
-    def _groups(self, lens: list[int], width: int) -> list[tuple[slice | torch.Tensor, int]]:
+    def _groups(
+        self, lens: list[int], width: int, exact: bool | None = None
+    ) -> list[tuple[slice | torch.Tensor, int]]:
         """The mapped calls of one step over clients whose batches hold `lens` real samples
-        (0: none, skipped) padded to `width`: (clients, samples read). Without batch statistics
-        one call reads all (padding weighs 0); with them one call per batch length, each on
-        its real samples only. A group that is a prefix of the clients is a slice (views)."""
-        if not self.batch_stats:
+        (0: none, skipped) padded to `width`: (clients, samples read). Unless `exact` (default:
+        batch statistics) one call reads all (padding weighs 0); if so one call per batch
+        length, each on its real samples only. A group that is a prefix of the clients is a
+        slice (views)."""
+        if not (self.batch_stats if exact is None else exact):
             return [(slice(0, len(lens)), width)]
         out = []
         for n in sorted(set(lens) - {0}, reverse=True):
@@ -265,15 +272,23 @@ class VmapBackend:
             out.append((slice(0, len(pos)) if prefix else torch.tensor(pos, device=self.device), n))
         return out
 
-    def _loss(self, terms: Sequence[Term]):
+    def _loss(self, terms: Sequence[Term], objective: Objective | None = None):
         """One client's loss at w [P] with buffers `bufs` (updated in place by a training
-        forward): weighted cross-entropy of its batch plus the terms."""
+        forward): weighted cross-entropy of its batch (or the custom `objective` on the
+        batch, which holds no padding then: `exact` groups) plus the terms. `c`: the client's
+        position in the train call."""
         model, spec = self.model, self.spec
         sizes = [len(t.per_client) for t in terms]
+        wrapped = None if objective is None else _Objective(model, objective)
 
-        def loss(w, bufs, x, y, wt, *tensors):
-            logits = functional_call(model, {**spec.param_views(w), **bufs}, (x,))
-            val = (F.cross_entropy(logits, y, reduction="none") * wt).sum()
+        def loss(w, bufs, x, y, wt, c, *tensors):
+            views = {**spec.param_views(w), **bufs}
+            if wrapped is None:
+                logits = functional_call(model, views, (x,))
+                val = (F.cross_entropy(logits, y, reduction="none") * wt).sum()
+            else:
+                views = {f"model.{k}": v for k, v in views.items()}
+                val = functional_call(wrapped, views, (x, y, c))
             i = 0
             for t, k in zip(terms, sizes):
                 val = val + t.value(w, *tensors[i : i + k])
@@ -329,7 +344,8 @@ class VmapBackend:
     def _plain_grad(self):
         """The mapped (gradient, loss) of the plain cross-entropy, built once."""
         if self._plain is None:
-            self._plain = vmap(grad_and_value(self._loss(())))
+            loss = self._loss(())
+            self._plain = vmap(grad_and_value(lambda w, b, x, y, wt: loss(w, b, x, y, wt, None)))
         return self._plain
 
     # ------------------------------------------------------------------ full gradients
@@ -434,6 +450,20 @@ class MappedBatch:
         if bufs:
             be._keep_buffers(states, slice(None), bufs)
         return loss.detach(), g.detach()
+
+
+class _Objective(nn.Module):
+    """A custom objective(model, x, y, c) as a module's forward, so that `functional_call`
+    runs it (every call it makes on `model`: forward, `features`, `head`) at a client's
+    mapped parameters and buffers."""
+
+    def __init__(self, model: nn.Module, objective: Objective) -> None:
+        super().__init__()
+        self.model = model
+        self.objective = objective
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return self.objective(self.model, x, y, c)
 
 
 def stack_draws(
