@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import crash_and_resume, make_algo, run_small
-from fedbench.algorithms._shared import fit_on_server, keyed_generator
+from fedbench.algorithms._shared import keyed_generator
+from fedbench.engine import fit_on_server
 
 
 def linear(p, x):
@@ -30,6 +31,37 @@ def test_one_full_batch_step_is_the_hand_gradient():
     torch.testing.assert_close(new["bias"], b - 0.5 * err.mean(0))
     torch.testing.assert_close(loss, F.cross_entropy(x @ W.T + b, y))
     assert torch.equal(b, torch.zeros(2))  # the inputs are left as they were
+
+
+@pytest.mark.quick
+def test_server_fit_with_the_run_optimizer_matches_torch_optim():
+    """With an `optim`, each server step is that optimizer's (here Adam, against torch.optim
+    on the same minibatches); without one, plain SGD."""
+    from fedbench.engine import OptimConfig
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 4, generator=g), torch.randint(0, 3, (12,), generator=g)
+    W, b = torch.randn(3, 4, generator=g), torch.zeros(3)
+    linear = lambda p, z: F.linear(z, p["weight"], p["bias"])  # noqa: E731
+    adam = OptimConfig(name="adam", lr=0.05)
+    gen = keyed_generator(3, 1, 7)
+    new, _ = fit_on_server(
+        {"weight": W, "bias": b}, linear, x, y, lr=0.05, epochs=2, batch_size=5, generator=gen,
+        optim=adam,
+    )  # fmt: skip
+    ref = {"weight": W.clone().requires_grad_(True), "bias": b.clone().requires_grad_(True)}
+    opt = torch.optim.Adam(ref.values(), lr=0.05)
+    gen = keyed_generator(3, 1, 7)
+    for _ in range(2):
+        order = torch.randperm(12, generator=gen)
+        for s in range(0, 12, 5):
+            i = order[s : s + 5]
+            opt.zero_grad()
+            F.cross_entropy(linear(ref, x[i]), y[i]).backward()
+            opt.step()
+    for k in ref:
+        torch.testing.assert_close(new[k], ref[k].detach(), rtol=1e-4, atol=1e-5)  # eps order
+    assert torch.equal(W, W.clone()) and b.abs().sum() == 0  # the inputs are left as they were
 
 
 @pytest.mark.quick

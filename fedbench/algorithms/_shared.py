@@ -19,9 +19,6 @@ underscore keeps it out of the registry scan).
 - `keyed_generator`: a torch generator seeded by a key (run seed, round, client, a salt of
   your own): random draws that need no saved state, so a resumed run draws what an
   uninterrupted one does (the engine's batch schedule is keyed the same way).
-- `fit_on_server`: plain SGD of a server-side function's parameters on tensors the clients
-  uploaded (FedGH's header on the clients' class means), in minibatches drawn from a keyed
-  generator; returns the new parameters and the mean loss.
 - `entry_index`: the flat-state indices of named parameters/buffers (an algorithm's own
   module trained on a second engine: FedDBE's PRBM, GPFL's CoV and GCE).
 - `TrainSubset` / `make_engine` / `train_on` / `WithTrainer`: a second engine over a
@@ -33,11 +30,10 @@ underscore keeps it out of the registry scan).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fedbench.engine import Engine, TrainResult
@@ -206,40 +202,6 @@ def keyed_generator(*key: int, device: torch.device | str = "cpu") -> torch.Gene
     every purpose its own constant salt, so two purposes never draw the same stream."""
     seed = int(np.random.SeedSequence([int(k) for k in key]).generate_state(1)[0])
     return torch.Generator(device=device).manual_seed(seed)
-
-
-def fit_on_server(
-    params: Mapping[str, torch.Tensor],
-    forward: Callable[[Mapping[str, torch.Tensor], torch.Tensor], torch.Tensor],
-    x: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    lr: float,
-    epochs: int,
-    batch_size: int,
-    generator: torch.Generator,
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Plain SGD on the server: `epochs` passes over (x [M, ...], y [M]) in a random order
-    drawn from `generator` (a CPU one, `keyed_generator`), minibatches of `batch_size` (the
-    last one shorter), each step p <- p - lr grad loss(forward(params, x_b), y_b). Returns
-    the new parameters (fresh tensors; `params` is left as it was) and the mean loss over
-    the steps (0-d). `forward` is a pure function of the parameters (`F.linear`,
-    `torch.func.functional_call(module, params, x)`), so nothing but the returned tensors
-    carries state to the next round."""
-    cur = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
-    total, steps = x.new_zeros(()), 0
-    for _ in range(epochs):
-        order = torch.randperm(x.shape[0], generator=generator).to(x.device)
-        for s in range(0, x.shape[0], batch_size):
-            b = order[s : s + batch_size]
-            value = loss(forward(cur, x[b]), y[b])
-            grads = torch.autograd.grad(value, list(cur.values()))
-            with torch.no_grad():
-                for p, g in zip(cur.values(), grads):
-                    p.sub_(lr * g)
-            total, steps = total + value.detach(), steps + 1
-    return {k: v.detach() for k, v in cur.items()}, total / max(steps, 1)
 
 
 def entry_index(spec: ModelSpec, names: Sequence[str], device: torch.device | str) -> torch.Tensor:

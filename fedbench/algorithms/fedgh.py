@@ -16,9 +16,9 @@ Client i deploys (f_i, theta^{t+1}): its latest extractor with the latest global
 (step 4 of the paper's Figure 1: the received header replaces the local one); a client
 never sampled deploys the initial extractor with the global header.
 
-Server step (fedbench/algorithms/_shared.py `fit_on_server`): `server_epochs` passes over
-the round's pairs in a random order keyed by (seed, round), minibatches of
-`server_batch_size`, lr `server_lr`, plain SGD from theta^t.
+Server step (the engine's server-side training, `fedbench.engine.fit_on_server`):
+`server_epochs` passes over the round's pairs in a random order keyed by (seed, round),
+minibatches of `server_batch_size`, lr `server_lr`, plain SGD from theta^t.
 RECONSTRUCTION (the paper's text was not readable where this was written; the workflow,
 Figure 1, and both implementations were):
 - the server step's settings: PFLlib (servergh.py) runs one shuffled pass in batches of the
@@ -48,12 +48,12 @@ import torch.nn.functional as F
 from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import (
     class_means,
-    fit_on_server,
     keyed_generator,
     state_entries,
 )
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import hp, positive
+from fedbench.engine import fit_on_server
 from fedbench.errors import ConfigError
 
 SERVER_SALT = 0xF6  # the server's minibatch order: keyed_generator(seed, t, SERVER_SALT)

@@ -40,6 +40,7 @@ from fedbench.engine.plan import (
     sequential_objective,
 )
 from fedbench.engine.rows import ClientRows, RowsPolicy
+from fedbench.engine.server import fit_on_server
 from fedbench.engine.spec import ModelSpec
 from fedbench.engine.terms import Linear, Proximal, Term
 
@@ -60,5 +61,6 @@ __all__ = [
     "TrainPlan",
     "TrainResult",
     "client_row",
+    "fit_on_server",
     "sequential_objective",
 ]
