@@ -149,7 +149,7 @@ def fedbench_round(case: Case, fed: SyntheticFed, device: torch.device, backend:
         cfg = task_config(
             compose(config_name="config", overrides=overrides, return_hydra_config=True)
         )
-    algo = FedAvg(load_config(cfg), fed, engine, case.make_model)
+    algo = FedAvg.from_config(load_config(cfg), fed, engine, case.make_model)
     return algo.round
 
 

@@ -130,7 +130,7 @@ def test_apfl_personal_model_has_v_s_own_batchnorm_statistics():
     cfg = compose(["algo=apfl", "batch_size=8", "optim.lr=0.1", "algo.alpha=0.5"])
     torch.manual_seed(0)
     eng = Engine(fed, bn_mlp(), device="cpu")
-    algo = APFL(load_config(cfg), fed, eng, bn_mlp)
+    algo = APFL.from_config(load_config(cfg), fed, eng, bn_mlp)
     P, D = eng.n_params, eng.n_state
     init = algo.rows[0].clone()
     for t in range(2):

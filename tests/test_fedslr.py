@@ -148,7 +148,7 @@ def test_memory_efficient_server_equals_per_client_form():
     extra = ["algo.rank_penalty=0.03", "algo.sparse_penalty=0.01"]
     algo, eng, fed = make_algo("fedslr", extra)
     cfg = compose(["algo=fedslr", "batch_size=8", "optim.lr=0.1", *extra])  # as make_algo
-    ref = PerClientFedSLR(load_config(cfg), fed, eng, algo.model_fn)
+    ref = PerClientFedSLR.from_config(load_config(cfg), fed, eng, algo.model_fn)
     zs = []
     for form in (algo, ref):
         form.server_average = lambda x, real=form.server_average: zs.append(real(x)) or zs[-1]
@@ -281,7 +281,7 @@ def test_p_init_copy_on_conv_groupnorm():
     cfg = compose(["algo=fedslr", "batch_size=8"])
     torch.manual_seed(0)
     eng = Engine(fed, ConvGN(), device="cpu")
-    algo = FedSLR(load_config(cfg), fed, eng, ConvGN)
+    algo = FedSLR.from_config(load_config(cfg), fed, eng, ConvGN)
     init = eng.initial_state()
     seen = set()
     for e in eng.spec.params:

@@ -246,9 +246,9 @@ def test_cov_and_gce_come_from_the_seed_not_the_global_rng():
 
     a, eng, fed = make_algo("gpfl")
     before = torch.random.get_rng_state()
-    b = type(a)(load_config(compose(["algo=gpfl", "seed=1"])), fed, eng, a.model_fn)
+    b = type(a).from_config(load_config(compose(["algo=gpfl", "seed=1"])), fed, eng, a.model_fn)
     assert torch.equal(torch.random.get_rng_state(), before)
-    c = type(a)(load_config(compose(["algo=gpfl"])), fed, eng, a.model_fn)
+    c = type(a).from_config(load_config(compose(["algo=gpfl"])), fed, eng, a.model_fn)
     assert torch.equal(a.ext, c.ext) and not torch.equal(a.ext, b.ext)
 
 
