@@ -13,6 +13,7 @@ left them).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,20 @@ class FlatModule:
             mod_name, _, leaf = e.name.rpartition(".")
             mod = model.get_submodule(mod_name) if mod_name else model
             mod._buffers[leaf] = self.state[e.start : e.stop].view(e.shape)
+
+    @contextmanager
+    def frozen(self, names: frozenset[str]):
+        """Within the block the named parameters take no gradient (`requires_grad` off):
+        a backward stops where nothing upstream trains (FedRep's head epochs backpropagate
+        through the head alone). Their `.grad` entries stay 0."""
+        params = [self.model.get_parameter(n) for n in names]
+        for p in params:
+            p.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for p in params:
+                p.requires_grad_(True)
 
     @property
     def params(self) -> torch.Tensor:

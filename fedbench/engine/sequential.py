@@ -89,9 +89,18 @@ class SequentialBackend:
         out = torch.empty(len(clients), mod.spec.n_state, device=self.device)
         losses = torch.zeros(len(clients), device=self.device)
         n_steps: list[int] = []
+        mod.model.train()
+        # whole tensors the mask freezes take no gradient (SAM's perturbation reads the whole
+        # gradient's norm: not with SAM)
+        frozen = mod.spec.frozen(plan.mask) if plan.sam is None else frozenset()
+        with mod.frozen(frozen):
+            self._train_clients(plan, states, out, losses, n_steps)
+        return TrainResult(out, losses, n_steps)
+
+    def _train_clients(self, plan: TrainPlan, states, out, losses, n_steps: list[int]) -> None:
+        mod, clients = self.module, plan.clients
         optim, mask, sam = plan.optim, plan.mask, plan.sam
         w, g = mod.params, mod.grad
-        mod.model.train()
         for c, client in enumerate(clients):
             mod.load(states[c])
             ost = self.optim_states.get(optim, plan.slot, client, w)
@@ -119,7 +128,6 @@ class SequentialBackend:
             out[c] = mod.state
             n_steps.append(n)
             losses[c] = total / max(n, 1)
-        return TrainResult(out, losses, n_steps)
 
     def full_grads(self, plan: GradPlan, states: torch.Tensor) -> GradResult:
         """Each client's mean loss (and gradient) over its training set at row c of `states`."""

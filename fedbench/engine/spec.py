@@ -89,6 +89,18 @@ class ModelSpec:
                 m[e.start : e.stop] = True
         return m
 
+    def frozen(self, mask: torch.Tensor | None) -> frozenset[str]:
+        """The parameters a [P] 0/1 `mask` freezes whole (every entry 0): their gradient is
+        never read (the step leaves them as they are), so a training step need not compute
+        it, nor backpropagate through them where nothing upstream trains. Empty without a
+        mask, or where the mask freezes every parameter (a step then has nothing to do)."""
+        if mask is None:
+            return frozenset()
+        trains = torch.stack([mask[e.start : e.stop].amax() for e in self.params]).tolist()
+        if not any(trains):
+            return frozenset()
+        return frozenset(e.name for e, on in zip(self.params, trains) if not on)
+
     def segment_ids(self, groups: list[list[str]], *, device=None) -> torch.Tensor:
         """Index [P] mapping each parameter entry to its group (e.g. the model's layers)."""
         ids = torch.full((self.n_params,), -1, dtype=torch.long, device=device)

@@ -216,7 +216,13 @@ class VmapBackend:
             for v, pc in zip(t.tensors(), t.per_client):
                 tensors.append(v[rows] if pc else v)
                 dims.append(0 if pc else None)
-        grad = vmap(grad_and_value(self._loss(terms, objective)), in_dims=(0, 0, 0, 0, 0, 0, *dims))
+        # whole tensors the mask freezes take no gradient (not with SAM: its perturbation
+        # reads the whole gradient's norm)
+        frozen = self.spec.frozen(mask) if sam is None else frozenset()
+        grad = vmap(
+            grad_and_value(self._loss(terms, objective, frozen)),
+            in_dims=(0, 0, 0, 0, 0, 0, *dims),
+        )
         scale, scale_dim = None, None
         if sam is not None:
             scale = sam.scale
@@ -272,17 +278,26 @@ class VmapBackend:
             out.append((slice(0, len(pos)) if prefix else torch.tensor(pos, device=self.device), n))
         return out
 
-    def _loss(self, terms: Sequence[Term], objective: Objective | None = None):
+    def _loss(
+        self,
+        terms: Sequence[Term],
+        objective: Objective | None = None,
+        frozen: frozenset[str] = frozenset(),
+    ):
         """One client's loss at w [P] with buffers `bufs` (updated in place by a training
         forward): weighted cross-entropy of its batch (or the custom `objective` on the
         batch, which holds no padding then: `exact` groups) plus the terms. `c`: the client's
-        position in the train call."""
+        position in the train call. `frozen` parameters enter detached: no gradient, and no
+        backward through them where nothing upstream trains."""
         model, spec = self.model, self.spec
         sizes = [len(t.per_client) for t in terms]
         wrapped = None if objective is None else _Objective(model, objective)
 
         def loss(w, bufs, x, y, wt, c, *tensors):
-            views = {**spec.param_views(w), **bufs}
+            params = spec.param_views(w)
+            if frozen:
+                params = {k: v.detach() if k in frozen else v for k, v in params.items()}
+            views = {**params, **bufs}
             if wrapped is None:
                 logits = functional_call(model, views, (x,))
                 val = (F.cross_entropy(logits, y, reduction="none") * wt).sum()
