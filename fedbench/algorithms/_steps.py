@@ -27,7 +27,9 @@ import torch
 
 
 def clip_(g: torch.Tensor, max_norm: float | None) -> torch.Tensor:
-    """In-place `torch.nn.utils.clip_grad_norm_` semantics on a flat gradient."""
+    """In-place `torch.nn.utils.clip_grad_norm_` semantics on a flat gradient [P], or on
+    each row of [k, P] (the k clients of a `client_steps` step, each clipped by its norm)."""
     if max_norm:
-        g.mul_(torch.clamp(max_norm / (g.norm() + 1e-6), max=1.0))
+        norm = g.norm() if g.dim() == 1 else g.norm(dim=-1, keepdim=True)
+        g.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return g
