@@ -9,8 +9,18 @@ g = (d theta_i / d(phi, v_i))^T Delta_i (`autograd.grad` with grad_outputs = Del
 to norm 50; phi, v_i <- SGD step (lr 1e-2, momentum 0.9, weight decay 1e-3; the embeddings
 are hypernetwork parameters, decayed and carried by momentum like the rest, as
 `torch.optim.SGD(hnet.parameters())` does). `hypernet.server_update`: `sequential` applies
-the round's clients one after another (the authors' code, which draws one client per step),
-`mean` averages their g into one step.
+the round's clients one after another (Algorithm 1 and the authors' code draw one client per
+step, and the next client's theta is generated from the moved phi), `mean` averages their g
+into one step.
+
+The inner steps are a step function on `Engine.client_steps` (`inner_step`: gradient,
+clip per client, SGD step on rows [k, D]). `sequential` visits one client per call (its start
+depends on the previous client's update: nothing to batch across clients; the hypernetwork's
+forward, VJP and step over all H entries, once per client, are most of its round on a CPU);
+`mean` generates every client's theta from the one phi of the round in one batched forward,
+runs all their inner steps at once (vmap, as `Engine.backend_for` picks), and takes the mean
+g as one VJP of that forward (sum_i J_i^T Delta_i: the same g as the per-client VJPs' mean,
+up to float rounding; no [C, H] stack).
 
 `hypernet.generate` (docs/papers/plgu.md): `all` target tensors (default); `body` (pFedHN-PC: each
 client's head is personal, trained in the inner steps, never averaged; the authors' inner lr
