@@ -236,14 +236,14 @@ class PFedHN(Algorithm):
         """One inner step of the visited clients (`Engine.client_steps`): the gradient at
         their states `s` [k, D], clipped per client, then the inner SGD step (its momentum
         in the `ost.*` rows). Aux: the step's losses [k]."""
-        P, cfg, max_norm = self.engine.n_params, self.inner_optim, self.hp.inner_clip
+        P, opt, max_norm = self.engine.n_params, self.inner_optim, self.hp.inner_clip
 
         def step(st: dict[str, torch.Tensor], batch: StepBatch):
             s = st["s"]
             loss, g = batch.grad(s)  # updates the rows' running statistics
             clip_(g, max_norm)
             with torch.no_grad():
-                step_(cfg, s[:, :P], g, {k: st["ost." + k] for k in keys}, cfg.lr)
+                step_(opt, s[:, :P], g, {k: st["ost." + k] for k in keys}, opt.lr)
             return st, loss
 
         return step
