@@ -124,7 +124,9 @@ DISCONTINUOUS = {"fedcac": {"theta"}}
 CLIENT_STEPS = {
     "ditto": ["algo.interleave=true"],
     "perfedavg": [],
+    "pfedhn": [],
     "pfedme": [],
+    "plgu_ghn": [],
     "plgu_grep": [],
     "plgu_lf": [],
 }
@@ -134,7 +136,18 @@ MAPPED_OBJECTIVES = {
 }  # fmt: skip
 # Settings that keep a case within seconds (pFedMe's 20 batches x 5 inner steps are 100
 # mapped gradients per round, about 30 s through the BatchNorm CNN on 2 CPU cores).
-CHEAP = {"pfedme": ["algo.local_rounds=3", "algo.inner_steps=2"]}
+CHEAP = {
+    "pfedme": ["algo.local_rounds=3", "algo.inner_steps=2"],
+    "pfedhn": ["algo.inner_steps=3"],
+    "plgu_ghn": ["algo.inner_steps=3"],
+}
+# The unequal-step case's settings: one epoch per visit; pFedHN's clients all at once (its
+# `server_update: sequential` visits one client per call).
+UNEQUAL = {
+    "pfedme": ["algo.local_rounds=null"],
+    "pfedhn": ["algo.inner_epochs=1", "algo.hypernet.server_update=mean"],
+    "plgu_ghn": ["algo.inner_epochs=1", "algo.hypernet.server_update=mean"],
+}
 
 
 def assert_same_runs(name: str, monkeypatch, rounds: int, image=None, extra=()) -> None:
@@ -185,10 +198,10 @@ def test_client_steps_with_unequal_step_counts(name, caplog, monkeypatch):
     """`Engine.client_steps` over clients that take 2, 1 and 3 steps (one epoch of ImageFed's
     13, 6 and 17 samples in batches of 8; pFedMe with `local_rounds: null`; Per-FedAvg's
     pairs of batches, an unpaired last one): on vmap the clients that still have a batch
-    step together, the others keep their rows."""
+    step together, the others keep their rows; pFedHN and PLGU-GHN with `server_update:
+    mean`, one epoch per visit)."""
     caplog.set_level(logging.WARNING)
-    extra = ["algo.local_rounds=null"] if name == "pfedme" else []
-    extra += CLIENT_STEPS[name]
+    extra = UNEQUAL.get(name, []) + CLIENT_STEPS[name]
     assert_same_runs(name, monkeypatch, rounds=1, image=True, extra=extra)
 
 

@@ -62,13 +62,47 @@ def test_round_updates_phi_by_clipped_momentum_sgd_of_the_vjp():
     """One visit (server_update=sequential, one client): phi <- SGD(phi, clip(VJP(Delta)))."""
     algo = make(extra=["algo.inner_steps=3", "algo.hypernet.momentum=0.0"])
     phi0 = algo.phi.clone()
-    torch.manual_seed(0)
-    g, state, _ = algo.visit(0, 0)  # the visit the round will repeat (same batches)
+    with torch.no_grad():
+        s0 = algo.state_of(0, algo.generate(0))
+    _, delta, _ = algo.visit([0], 0, s0[None])  # the visit the round will repeat (same batches)
+    g = algo.vjp(0, delta[0])
     algo.phi = phi0.clone()
     algo.round(0, [0])
     hn = algo.hp.hypernet
     g = g * min(1.0, hn.clip / (g.norm() + 1e-6))
     expect = phi0 - hn.lr * (g + hn.weight_decay * phi0)
+    torch.testing.assert_close(algo.phi, expect)
+
+
+def test_batched_generate_and_mean_vjp_are_the_per_client_ones():
+    """`server_update: mean` maps the hypernetwork over the round's clients: its forward is
+    each client's h(v_i; phi), its one VJP the mean of the clients' VJPs (linear in Delta)."""
+    algo = make()
+    clients = [2, 0, 1]
+    theta = algo.generate_many(clients)
+    torch.testing.assert_close(theta, torch.stack([algo.generate(i) for i in clients]))
+    gen = torch.Generator().manual_seed(3)
+    delta = torch.randn(len(clients), int(algo.gen_mask.sum()), generator=gen).to(algo.device)
+    expect = torch.stack([algo.vjp(i, d) for i, d in zip(clients, delta)]).mean(0)
+    torch.testing.assert_close(algo.mean_hypernet_grad(clients, delta), expect)
+
+
+def test_mean_round_steps_phi_once_with_the_clients_mean_vjp():
+    """server_update=mean: every client trains from the same phi (their visits batched) and
+    phi takes one clipped SGD step with the mean of their VJPs."""
+    algo = make(extra=["algo.inner_steps=3", "algo.hypernet.server_update=mean"])
+    clients = [0, 1, 2]
+    phi0 = algo.phi.clone()
+    per_client = []
+    for i in clients:  # each client's visit alone, from phi0
+        with torch.no_grad():
+            s0 = algo.state_of(i, algo.generate(i))
+        per_client.append(algo.visit([i], 0, s0[None])[1][0])
+    g = torch.stack([algo.vjp(i, d) for i, d in zip(clients, per_client)]).mean(0)
+    algo.round(0, clients)
+    hn = algo.hp.hypernet
+    g = g * min(1.0, hn.clip / (g.norm() + 1e-6))
+    expect = phi0 - hn.lr * (g + hn.weight_decay * phi0)  # momentum's first step: the gradient
     torch.testing.assert_close(algo.phi, expect)
 
 

@@ -1,13 +1,14 @@
 """Hand-written local steps, for the client updates `Engine.train` cannot express.
 
-APPLE, FedSLR and pFedHN's clipped inner steps (PLGU-GHN's too) are all "gradient of some
+APPLE and FedSLR are all "gradient of some
 state on a batch, then an optimizer step on some state", written on the engine's public
 pieces: `Engine.batches` (the same batches as `Engine.train` for the same round/client/salt),
 `Engine.grad_at` (training mode, as every training step) and `optim.step_`/`init_state`, plus
 `clip_` here. They run client after client on the module; `Engine.client_steps` runs a step
-function over all sampled clients at once where vmap can (pFedMe, Per-FedAvg, Ditto's
-interleaved mode, PLGU-LF and PLGU-GRep are there, `batch.grad(rows, at=, terms=)` giving
-SAM's second gradient and loss terms; the loops above are next).
+function over all sampled clients at once where vmap can (pFedMe, Per-FedAvg, pFedHN's
+clipped inner steps, Ditto's interleaved mode, PLGU-LF, PLGU-GRep and PLGU-GHN are there,
+`batch.grad(rows, at=, terms=)` giving SAM's second gradient and loss terms; the loops
+above are next).
 
 Optimizer state: `engine.optim_states.get(cfg, slot, client, w)` before a client's steps and
 `engine.optim_states.keep(cfg, slot, client, state)` after them, the store `Engine.train`
@@ -27,7 +28,9 @@ import torch
 
 
 def clip_(g: torch.Tensor, max_norm: float | None) -> torch.Tensor:
-    """In-place `torch.nn.utils.clip_grad_norm_` semantics on a flat gradient."""
+    """In-place `torch.nn.utils.clip_grad_norm_` semantics on a flat gradient [P], or on
+    each row of [k, P] (the k clients of a `client_steps` step, each clipped by its norm)."""
     if max_norm:
-        g.mul_(torch.clamp(max_norm / (g.norm() + 1e-6), max=1.0))
+        norm = g.norm() if g.dim() == 1 else g.norm(dim=-1, keepdim=True)
+        g.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return g

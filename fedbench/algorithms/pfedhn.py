@@ -9,8 +9,18 @@ g = (d theta_i / d(phi, v_i))^T Delta_i (`autograd.grad` with grad_outputs = Del
 to norm 50; phi, v_i <- SGD step (lr 1e-2, momentum 0.9, weight decay 1e-3; the embeddings
 are hypernetwork parameters, decayed and carried by momentum like the rest, as
 `torch.optim.SGD(hnet.parameters())` does). `hypernet.server_update`: `sequential` applies
-the round's clients one after another (the authors' code, which draws one client per step),
-`mean` averages their g into one step.
+the round's clients one after another (Algorithm 1 and the authors' code draw one client per
+step, and the next client's theta is generated from the moved phi), `mean` averages their g
+into one step.
+
+The inner steps are a step function on `Engine.client_steps` (`inner_step`: gradient,
+clip per client, SGD step on rows [k, D]). `sequential` visits one client per call (its start
+depends on the previous client's update: nothing to batch across clients; the hypernetwork's
+forward, VJP and step over all H entries, once per client, are most of its round on a CPU);
+`mean` generates every client's theta from the one phi of the round in one batched forward,
+runs all their inner steps at once (vmap, as `Engine.backend_for` picks), and takes the mean
+g as one VJP of that forward (sum_i J_i^T Delta_i: the same g as the per-client VJPs' mean,
+up to float rounding; no [C, H] stack).
 
 `hypernet.generate` (docs/papers/plgu.md): `all` target tensors (default); `body` (pFedHN-PC: each
 client's head is personal, trained in the inner steps, never averaged; the authors' inner lr
@@ -41,7 +51,7 @@ from fedbench.algorithms._about import About
 from fedbench.algorithms._steps import clip_
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import hp, nonneg, positive
-from fedbench.engine import ModelSpec, OptimConfig
+from fedbench.engine import ClientStep, ModelSpec, OptimConfig, StepBatch
 from fedbench.engine.optim import init_state, step_
 from fedbench.errors import ConfigError
 from fedbench.models.hypernet import GENERATE, HyperNetwork, hypernet_size, select_targets
@@ -172,6 +182,16 @@ class PFedHN(Algorithm):
         client = torch.tensor([i], device=self.device)
         return torch.func.functional_call(self.hnet, self.hspec.param_views(phi), (client,))
 
+    def generate_many(self, clients: list[int], phi: torch.Tensor | None = None) -> torch.Tensor:
+        """[C, G]: h(v_i; phi) of each of `clients`, one batched forward (`generate` mapped
+        over the clients: each head one [C, hidden] x [hidden, numel] product)."""
+        params = self.hspec.param_views(self.phi if phi is None else phi)
+
+        def one(c: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(self.hnet, params, (c[None],))
+
+        return torch.func.vmap(one)(torch.tensor(clients, device=self.device))
+
     def vjp(self, i: int, delta: torch.Tensor, phi: torch.Tensor | None = None) -> torch.Tensor:
         """g = (d h(v_i; phi) / d phi)^T delta over all hypernetwork entries [H]."""
         phi = (self.phi if phi is None else phi).detach().requires_grad_(True)
@@ -181,6 +201,14 @@ class PFedHN(Algorithm):
     def hypernet_grad(self, i: int, delta: torch.Tensor) -> torch.Tensor:
         """The hypernetwork's update direction from client i's Delta (pFedHN: the VJP)."""
         return self.vjp(i, delta)
+
+    def mean_hypernet_grad(self, clients: list[int], delta: torch.Tensor) -> torch.Tensor:
+        """The mean of `hypernet_grad` over the round's clients (their Delta rows [C, G]), for
+        `server_update: mean`. pFedHN's VJP is linear in Delta and the clients' g are taken
+        at one phi: sum_i J_i^T Delta_i is one VJP of the batched forward (no [C, H] stack)."""
+        phi = self.phi.detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(self.generate_many(clients, phi), phi, grad_outputs=delta)
+        return g.div_(len(clients))
 
     def hypernet_step(self, g: torch.Tensor) -> None:
         clip_(g, self.hp.hypernet.clip)
@@ -195,47 +223,79 @@ class PFedHN(Algorithm):
         s[self.personal_entries] = self.heads[i]
         return s
 
-    def visit(self, i: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Inner training of client i from h(v_i; phi): (hypernet grad, the final state as the
-        server receives it, loss)."""
+    def states_of(self, clients: list[int], theta: torch.Tensor) -> torch.Tensor:
+        """`state_of` for rows: [C, D] from the clients' generated theta [C, G]."""
         P = self.engine.n_params
-        with torch.no_grad():
-            s0 = self.state_of(i, self.generate(i))
-        s = s0.clone()
-        st = init_state(self.inner_optim, s[:P])
+        s = self.shared.repeat(len(clients), 1)
+        s[:, :P][:, self.gen_mask] = theta
+        s[:, self.personal_entries] = self.heads[torch.tensor(clients, device=self.device)]
+        return s
+
+    def inner_step(self, keys: tuple[str, ...]) -> ClientStep:
+        """One inner step of the visited clients (`Engine.client_steps`): the gradient at
+        their states `s` [k, D], clipped per client, then the inner SGD step (its momentum
+        in the `ost.*` rows). Aux: the step's losses [k]."""
+        P, opt, max_norm = self.engine.n_params, self.inner_optim, self.hp.inner_clip
+
+        def step(st: dict[str, torch.Tensor], batch: StepBatch):
+            s = st["s"]
+            loss, g = batch.grad(s)  # updates the rows' running statistics
+            clip_(g, max_norm)
+            with torch.no_grad():
+                step_(opt, s[:, :P], g, {k: st["ost." + k] for k in keys}, opt.lr)
+            return st, loss
+
+        return step
+
+    def visit(self, clients: list[int], t: int, s0: torch.Tensor):
+        """Inner training of `clients` from their states s0 [C, D] (h(v_i; phi) with the
+        shared entries and heads), all at once where the engine can: (the final states as
+        the server receives them [C, D], Delta_i [C, G], each client's mean loss [C])."""
+        P = self.engine.n_params
+        ost = init_state(self.inner_optim, s0[:, :P])  # fresh every visit, as the authors'
         epochs = self.hp.inner_epochs
-        sched = {"epochs": epochs} if epochs else {"steps": self.hp.inner_steps}
-        losses = []
-        for x, y in self.engine.batches(i, self.run.batch_size, round=t, **sched):
-            loss, g = self.engine.grad_at(s, x, y)
-            losses.append(loss)
-            clip_(g, self.hp.inner_clip)
-            step_(self.inner_optim, s[:P], g, st, self.inner_optim.lr)
-        self.heads[i] = s[self.personal_entries]  # stays home
-        s = self.receive(s[None], [i], ref=s0[None])[0]  # what the server gets of theta~_i
-        delta = (s0[:P] - s[:P])[self.gen_mask]
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
-        return self.hypernet_grad(i, delta), s, loss
+        res = self.engine.client_steps(
+            {"s": s0, **{"ost." + k: v for k, v in ost.items()}},
+            clients,
+            self.inner_step(tuple(ost)),
+            batch_size=self.run.batch_size,
+            epochs=epochs,
+            steps=None if epochs else self.hp.inner_steps,
+            round=t,
+        )
+        s = res.states["s"]
+        self.heads[torch.tensor(clients, device=self.device)] = s[:, self.personal_entries]
+        s = self.receive(s, clients, ref=s0)  # what the server gets of theta~_i (the head stays)
+        delta = (s0[:, :P] - s[:, :P])[:, self.gen_mask]
+        return s, delta, res.client_mean()
 
     # ------------------------------------------------------------------ the contract
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
-        grads, states, losses = [], [], []
-        for i in clients:
-            g, s, loss = self.visit(int(i), t)
-            if self.hp.hypernet.server_update == "sequential":
-                self.hypernet_step(g)
-            else:
-                grads.append(g)
-            states.append(s)
-            losses.append(loss)
-        if grads:
-            self.hypernet_step(torch.stack(grads).mean(0))
-        avg = self.weights(clients, "samples") @ torch.stack(states)
+        ids = [int(i) for i in clients]
+        if self.hp.hypernet.server_update == "sequential":
+            # Algorithm 1: phi moves after each client, and the next client's model is
+            # generated from the moved phi, so the clients' visits are one after another
+            states, losses = [], []
+            for i in ids:
+                with torch.no_grad():
+                    s0 = self.state_of(i, self.generate(i))
+                s, delta, loss = self.visit([i], t, s0[None])
+                self.hypernet_step(self.hypernet_grad(i, delta[0]))
+                states.append(s[0])
+                losses.append(loss[0])
+            states_t, loss_t = torch.stack(states), torch.stack(losses)
+        else:
+            # one phi for the round: every client's visit at once, one mean step
+            with torch.no_grad():
+                s0 = self.states_of(ids, self.generate_many(ids))
+            states_t, delta, loss_t = self.visit(ids, t, s0)
+            self.hypernet_step(self.mean_hypernet_grad(ids, delta))
+        avg = self.weights(clients, "samples") @ states_t
         self.shared = torch.where(self.shared_entries, avg, self.shared)
         n_gen, n_shared = int(self.gen_mask.sum()), int(self.shared_entries.sum())
         c = len(clients)
         n = c * (n_gen + n_shared)
-        return RoundReport(torch.stack(losses).mean(), self.comm(clients, up=n, down=n))
+        return RoundReport(loss_t.mean(), self.comm(clients, up=n, down=n))
 
     @torch.no_grad()
     def personal_state(self, i: int) -> torch.Tensor:

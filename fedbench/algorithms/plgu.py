@@ -322,3 +322,7 @@ class PLGUGHN(PFedHN):
         for e, lam in zip(self.hspec.params, self.hn_scale(xi).tolist()):
             eps[e.start : e.stop] *= lam  # Lambda, one tensor at a time
         return self.vjp(i, delta, self.phi + eps)
+
+    def mean_hypernet_grad(self, clients: list[int], delta: torch.Tensor) -> torch.Tensor:
+        # LWSAM's perturbation is each client's own (not linear in Delta): a VJP pair per client
+        return torch.stack([self.hypernet_grad(i, d) for i, d in zip(clients, delta)]).mean(0)
