@@ -441,7 +441,11 @@ class MappedBatch:
         if terms:  # the terms' per-client rows map with the clients, shared ones broadcast
             tensors = [v for t in terms for v in t.tensors()]
             dims = [0 if pc else None for t in terms for pc in t.per_client]
-            fn = vmap(grad_and_value(be._loss(terms)), in_dims=(0, 0, 0, 0, 0, *dims))
+            value = be._loss(terms)  # no objective: its client position c is unused
+            fn = vmap(
+                grad_and_value(lambda w, b, x, y, wt, *ts: value(w, b, x, y, wt, None, *ts)),
+                in_dims=(0, 0, 0, 0, 0, *dims),
+            )
         else:
             tensors, dims, fn = [], [], be._plain_grad()
         W, bufs = states[:, :P], be._buffers(states)
