@@ -119,7 +119,7 @@ DISCONTINUOUS = {"fedcac": {"theta"}}
 
 # Algorithms whose client loops run on `Engine.client_steps`: their vmap run must map (a
 # silent fall-back to sequential would compare a run with itself).
-CLIENT_STEPS = {"perfedavg", "pfedme"}
+CLIENT_STEPS = {"apple", "fedslr", "perfedavg", "pfedme"}
 # Settings that keep a case within seconds (pFedMe's 20 batches x 5 inner steps are 100
 # mapped gradients per round, about 30 s through the BatchNorm CNN on 2 CPU cores).
 CHEAP = {"pfedme": ["algo.local_rounds=3", "algo.inner_steps=2"]}

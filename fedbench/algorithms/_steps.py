@@ -1,13 +1,13 @@
 """Hand-written local steps, for the client updates `Engine.train` cannot express.
 
 PLGU-LF's coupled personal + universal step, PLGU-GRep's three-pass body step, Ditto's
-interleaved steps, APPLE, FedSLR and pFedHN's clipped inner steps are all "gradient of some
+interleaved steps and pFedHN's clipped inner steps are all "gradient of some
 state on a batch, then an optimizer step on some state", written on the engine's public
 pieces: `Engine.batches` (the same batches as `Engine.train` for the same round/client/salt),
 `Engine.grad_at` (training mode, as every training step) and `optim.step_`/`init_state`, plus
 `clip_` here. They run client after client on the module; `Engine.client_steps` runs a step
-function over all sampled clients at once where vmap can (pFedMe and Per-FedAvg are there;
-the loops above are next).
+function over all sampled clients at once where vmap can (pFedMe, Per-FedAvg, APPLE and
+FedSLR's Phase II are there; the loops above are next).
 
 Optimizer state: `engine.optim_states.get(cfg, slot, client, w)` before a client's steps and
 `engine.optim_states.keep(cfg, slot, client, state)` after them, the store `Engine.train`
