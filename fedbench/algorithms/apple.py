@@ -123,7 +123,9 @@ class APPLE(Algorithm):
             if p.shape[0] == 1:
                 return (p[0] @ mine[0][:, :P])[None]
             ar = torch.arange(p.shape[0], device=p.device)
-            return p.index_put((ar, ids), p.new_zeros(())) @ shared + p[ar, ids, None] * core
+            return (p.index_put((ar, ids), p.new_zeros(())) @ shared).addcmul_(
+                p[ar, ids, None], core
+            )
 
         def step(st: dict[str, torch.Tensor], batch: StepBatch):
             core, p, w, ids = st["core"], st["p"], st["theta"], st["id"]
@@ -140,7 +142,7 @@ class APPLE(Algorithm):
                 grad_p = (own @ g[0])[None]
             else:
                 grad_p = g @ shared.T
-                grad_p[ar, ids] = (core * g).sum(1)
+                grad_p[ar, ids] = (core * g).sum(1)  # <c_i, g>
             grad_p = grad_p + reg2 * (p - self.p0)  # at the same point as g
             ost = {key: st["ost." + key] for key in ost_keys}
             with torch.no_grad():
