@@ -122,7 +122,9 @@ DISCONTINUOUS = {"fedcac": {"theta"}}
 # silent fall-back to sequential would compare a run with itself); the overrides that put
 # them there where their default config does not (Ditto's interleaved mode).
 CLIENT_STEPS = {
+    "apple": [],
     "ditto": ["algo.interleave=true"],
+    "fedslr": [],
     "perfedavg": [],
     "pfedhn": [],
     "pfedme": [],

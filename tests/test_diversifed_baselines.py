@@ -142,6 +142,42 @@ def test_apple_step_is_the_chain_rule_and_the_full_inner_product():
     torch.testing.assert_close(algo.theta[1], algo.p[1] @ downloaded)
 
 
+@pytest.mark.quick
+def test_apple_batched_step_is_each_clients_chain_rule():
+    """The three clients' loops mapped (vmap, batch 32: 2, 1 and 2 batches of their 37, 20
+    and 50 samples; the second step maps clients 0 and 2): the step's form for k clients,
+    (p_i with p_ii = 0) @ cores + p_ii c_i and cores @ g with entry i replaced by <c_i, g>,
+    gives every client, batch after batch, the updates of SGD on autograd's gradients of
+    CE(p_i @ cores) + lambda mu ||p_i - p0||^2 with its own core c_i in row i; its mixture
+    at the end is p_i @ cores with its new core."""
+    algo, eng, fed = make(
+        "apple",
+        ["batch_size=32", "algo.eta_p=0.05", "algo.mu=0.1", "rounds=10", "algo.l_frac=0.5"],
+        backend="vmap",
+    )
+    assert eng.backend_for(3, client_steps=True) == "vmap"
+    spread(algo.cores)
+    algo.p[:] = torch.tensor([[0.5, 0.2, 0.3], [0.6, 0.1, 0.3], [-0.1, 0.4, 0.7]])
+    cores0, p0 = algo.cores.clone(), algo.p.clone()
+    algo.round(0, [0, 1, 2])
+    P = eng.n_params
+    for i in range(3):
+        idx, lens = eng.schedule(i, 32, epochs=1, round=0)
+        assert idx.shape[0] == [2, 1, 2][i]
+        own, p = cores0.clone(), p0[i].clone()  # the client's cores: its row trains
+        for s in range(idx.shape[0]):
+            x, y = fed.batch(idx[s, : lens[s]])
+            C, q = own.clone().requires_grad_(True), p.clone().requires_grad_(True)
+            loss = F.cross_entropy(eng.functional_logits((q @ C)[:P], x), y)
+            loss = loss + 1.0 * 0.1 * ((q - 1 / 3) ** 2).sum()  # lambda(0) = 1
+            gC, gp = torch.autograd.grad(loss, (C, q))
+            own[i] -= 0.1 * gC[i]
+            p -= 0.05 * gp
+        torch.testing.assert_close(algo.cores[i], own[i])
+        torch.testing.assert_close(algo.p[i], p)
+        torch.testing.assert_close(algo.theta[i], p @ own)
+
+
 # ----------------------------------------------------------------------------- FedProto
 @pytest.mark.quick
 def test_fedproto_prototype_averaging():

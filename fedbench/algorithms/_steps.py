@@ -1,14 +1,15 @@
-"""Hand-written local steps, for the client updates `Engine.train` cannot express.
+"""The conventions of client step functions, for the client updates `Engine.train` cannot
+express, and `clip_`.
 
-APPLE and FedSLR are all "gradient of some
+pFedMe, Per-FedAvg, APPLE, FedSLR's Phase II, pFedHN, Ditto's interleaved mode and PLGU's
+steps were per-client loops; each is now a step function, "gradient of some
 state on a batch, then an optimizer step on some state", written on the engine's public
 pieces: `Engine.batches` (the same batches as `Engine.train` for the same round/client/salt),
 `Engine.grad_at` (training mode, as every training step) and `optim.step_`/`init_state`, plus
 `clip_` here. They run client after client on the module; `Engine.client_steps` runs a step
-function over all sampled clients at once where vmap can (pFedMe, Per-FedAvg, pFedHN's
-clipped inner steps, Ditto's interleaved mode, PLGU-LF, PLGU-GRep and PLGU-GHN are there,
-`batch.grad(rows, at=, terms=)` giving SAM's second gradient and loss terms; the loops
-above are next).
+function over all sampled clients at once where vmap can (every loop above is there;
+`batch.grad(rows, at=, terms=)` gives SAM's second gradient and loss terms). `Engine.grad_at`
+remains for one-client work outside a training loop (FedSpa's prune-and-grow gradient).
 
 Optimizer state: `engine.optim_states.get(cfg, slot, client, w)` before a client's steps and
 `engine.optim_states.keep(cfg, slot, client, state)` after them, the store `Engine.train`

@@ -16,6 +16,12 @@ p_i and p0 start at 1/N. lambda(r) decays from 1 to 0 over the first L = int(l_f
 rounds and is 0 after: `exp` (the authors' default) 0.001^(r / L), `cos` (cos(r pi / L) + 1) / 2.
 The client uploads its core c_i (p_i stays on the client); the personalized model is the
 mixture w_i.
+The client loop runs batched: one step function (`step`: a batch's gradient at w_i, both
+updates, the new mixture) over all sampled clients at once (`Engine.client_steps`; vmap, or
+client after client on the sequential backend, as `Engine.backend_for` picks). The round's
+clients share the downloaded cores and differ from them in their own row only, so k clients
+mix as (p_i with p_ii = 0) @ cores + p_ii c_i and take <g, c_j> as cores @ g with entry i
+replaced by <g, c_i>: no k copies of the N cores.
 Defaults from the authors' code: eta_p (lr_coef) 0.001, mu 0.1, L = 0.1 of the rounds (its
 cores use SGD lr 0.01, momentum 0.9: `optim.*`; the DiversiFed presets use Adam 1e-3 for
 every method, as that paper does).
@@ -48,6 +54,7 @@ import torch
 from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import fraction, nonneg
+from fedbench.engine import ClientStep, StepBatch
 from fedbench.engine.optim import step_
 
 
@@ -91,40 +98,92 @@ class APPLE(Algorithm):
         self.theta = self.cores.clone()  # personalized mixtures w_i, with the client's buffers
         self.L = int(self.hp.l_frac * self.run.rounds)
 
-    def client_update(self, i: int, cores: torch.Tensor, t: int) -> torch.Tensor:
-        """Client i's round on its downloaded cores [N, D] (row i is trained in place);
-        updates p_i and the mixture theta_i (its running statistics included); returns the
-        mean training loss."""
-        P, eng = self.engine.n_params, self.engine
-        p, core = self.p[i], cores[i, :P]  # views: updated in place
-        own = self.theta[i]  # view: the client's buffers live in own[P:]
-        ost = eng.optim_states.get(self.optim, "core", i, core)
+    def step(self, t: int, cores: torch.Tensor, ost_keys: tuple[str, ...]) -> ClientStep:
+        """One batch of the clients' loops in round t (`Engine.client_steps`) on the cores
+        `cores` [N, D] they downloaded (shared, read-only): the gradient g at each client's
+        mixture w_i (the `theta` rows, buffers updated in place), then the core step on
+        p_ii g and the p step, both from that point, then w_i <- p_i @ cores with the new
+        c_i and p_i (the mixture the next batch, or the round's end, reads). Aux: the loss.
+
+        A client's cores are the downloaded ones with row i replaced by its own c_i. One
+        client (k = 1, the sequential backend) takes p_i @ cores and cores @ g on a copy of
+        them with row i written in (the per-client loop's products, bit for bit); k clients
+        the same sums without k copies of the cores: (p_i with p_ii = 0) @ cores + p_ii c_i,
+        and cores @ g with entry i replaced by <c_i, g>."""
+        P = self.engine.n_params
         lr, eta_p = self.optim.lr_at(t), self.hp.eta_p * self.optim.lr_decay**t
-        reg = reg_schedule(t, self.L, self.hp.schedule) * self.hp.mu
-        losses = []
-        for x, y in eng.batches(i, self.run.batch_size, epochs=self.run.local_epochs, round=t):
-            state = torch.cat([p @ cores[:, :P], own[P:]])
-            loss, g = eng.grad_at(state, x, y)  # updates state's running statistics
-            own[P:] = state[P:]
-            losses.append(loss)
-            grad_p = cores[:, :P] @ g + 2 * reg * (p - self.p0)  # at the same point as g
+        reg2 = 2 * (reg_schedule(t, self.L, self.hp.schedule) * self.hp.mu)
+        shared = cores[:, :P]  # [N, P] the downloaded cores
+        # k = 1: one copy of the cores (made at the first such step), the stepping client's
+        # own core written into its row, the downloaded one written back after the step
+        mine: list[torch.Tensor] = []
+
+        def mixture(p, core, ids) -> torch.Tensor:  # [k, P], with own[i] = c_i when k = 1
+            if p.shape[0] == 1:
+                return (p[0] @ mine[0][:, :P])[None]
+            ar = torch.arange(p.shape[0], device=p.device)
+            return (p.index_put((ar, ids), p.new_zeros(())) @ shared).addcmul_(
+                p[ar, ids, None], core
+            )
+
+        def step(st: dict[str, torch.Tensor], batch: StepBatch):
+            core, p, w, ids = st["core"], st["p"], st["theta"], st["id"]
+            k, ar = p.shape[0], torch.arange(p.shape[0], device=p.device)
+            if k == 1:
+                if not mine:
+                    mine.append(cores.clone())
+                own, i = mine[0][:, :P], int(ids[0])
+                own[i] = core[0]
+            if batch.index == 0:
+                w[:, :P] = mixture(p, core, ids)  # p_i @ cores at the round's start
+            loss, g = batch.grad(w)  # updates the rows' running statistics
+            if k == 1:
+                grad_p = (own @ g[0])[None]
+            else:
+                grad_p = g @ shared.T
+                grad_p[ar, ids] = (core * g).sum(1)  # <c_i, g>
+            grad_p = grad_p + reg2 * (p - self.p0)  # at the same point as g
+            ost = {key: st["ost." + key] for key in ost_keys}
             with torch.no_grad():
-                step_(self.optim, core, p[i] * g, ost, lr)
+                step_(self.optim, core, p[ar, ids, None] * g, ost, lr)
                 p -= eta_p * grad_p
-        eng.optim_states.keep(self.optim, "core", i, ost)
-        cores[i, P:] = own[P:]  # the uploaded core carries the client's statistics
-        own[:P] = p @ cores[:, :P]
-        return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+            if k == 1:
+                own[i] = core[0]
+            w[:, :P] = mixture(p, core, ids)
+            if k == 1:
+                own[i] = shared[i]  # the next client's cores are the downloaded ones
+            return st, loss
+
+        return step
 
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
+        eng, P = self.engine, self.engine.n_params
         downloaded = self.cores.clone()  # every sampled client gets the cores of round t-1
         idx = torch.as_tensor(clients, device=self.device)
-        losses, trained = [], []
-        for i in clients:
-            cores = downloaded.clone()
-            losses.append(self.client_update(int(i), cores, t))
-            trained.append(cores[int(i)])
-        self.cores[idx] = self.receive(torch.stack(trained), clients, ref=downloaded[idx])
+        core = downloaded[idx, :P]  # the rows each client trains
+        ost = eng.optim_states.get(self.optim, "core", idx, core)
+        res = eng.client_steps(
+            {
+                "core": core,
+                "p": self.p[idx],
+                "theta": self.theta[idx],  # its [P:]: the client's running statistics
+                "id": idx,
+                **{"ost." + k: v for k, v in ost.items()},
+            },
+            [int(i) for i in clients],
+            self.step(t, downloaded, tuple(ost)),
+            batch_size=self.run.batch_size,
+            epochs=self.run.local_epochs,
+            round=t,
+        )
+        st = res.states
+        eng.optim_states.keep(self.optim, "core", idx, {k: st["ost." + k] for k in ost})
+        for c, n in enumerate(res.steps):
+            if n == 0:  # no batch: the mixture of the downloaded cores
+                st["theta"][c, :P] = st["p"][c] @ downloaded[:, :P]
+        self.p[idx], self.theta[idx] = st["p"], st["theta"]
+        trained = torch.cat([st["core"], st["theta"][:, P:]], 1)  # with the client's statistics
+        self.cores[idx] = self.receive(trained, clients, ref=downloaded[idx])
         D, C = self.engine.n_state, len(clients)
         comm = self.comm(clients, up=C * D, down=C * self.N * D)
-        return RoundReport(torch.stack(losses).mean(), comm)
+        return RoundReport(res.client_mean().mean(), comm)

@@ -23,9 +23,12 @@ Phase II (the sparse component; Algorithm 2). Right after Phase I, each sampled 
 `fusion_epochs` (1) epochs with w = theta^t frozen, per batch (plain SGD at the round's lr)
     p <- p - eta_t (grad_p f_i(theta^t + p) + wd_f p);  p <- sign(p) max(|p| - eta_t lambda_s, 0)
 lambda_s = sparse_penalty = 1e-3; wd_f = `fusion_weight_decay` = 1e-3 (the authors'
-finetune default), whatever the run's optim.weight_decay. p_init: `copy` (the
-authors' code) starts the p of every Conv/Linear tensor (biases included) as a copy of the
-initial weights and the norm layers' p at zero; `zero` starts every p at zero.
+finetune default), whatever the run's optim.weight_decay. Phase II runs batched: one step
+function (`fusion_step`) over all sampled clients at once (`Engine.client_steps`; vmap, or
+client after client on the sequential backend, as `Engine.backend_for` picks; a client's
+running statistics in Phase II start from theta^t's and are dropped after). p_init: `copy`
+(the authors' code) starts the p of every Conv/Linear tensor (biases included) as a copy of
+the initial weights and the norm layers' p at zero; `zero` starts every p at zero.
 
 Reported: the GKR theta (global) and theta + p_i (personal, the mixed model), both with
 the current theta as the authors' evaluation. Sizes (`model_size`, metrics columns): the
@@ -53,6 +56,7 @@ from fedbench.algorithms._about import About
 from fedbench.algorithms._shared import dynamic_clients, dynamic_server
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import nonneg, positive
+from fedbench.engine import ClientStep, StepBatch
 from fedbench.engine.prox import (
     LayerRank,
     factorized_params,
@@ -127,27 +131,41 @@ class FedSLR(Algorithm):
         self.h, z = dynamic_server(x, self.theta, self.h, self.alpha, self.N)
         return z
 
-    def fusion(self, i: int, base: torch.Tensor, t: int) -> torch.Tensor:
-        """Client i's p by proximal SGD on f_i(base + p), base frozen; the mean loss."""
-        eng, P = self.engine, self.engine.n_params
-        lr = self.optim.lr_at(t)
-        wd = self.hp.fusion_weight_decay
-        thr = lr * self.hp.sparse_penalty
-        p = self.p[i].clone()
-        state = base.clone()
-        losses = []
-        for x, y in eng.batches(
-            i, self.run.batch_size, epochs=self.hp.fusion_epochs, round=t, salt=1
-        ):
-            state[:P] = base[:P] + p
-            loss, g = eng.grad_at(state, x, y)
+    def fusion_step(self, base: torch.Tensor, t: int) -> ClientStep:
+        """One batch of the clients' Phase II (`Engine.client_steps`) with base [D] frozen:
+        the gradient at base + p (the `w` rows, whose running statistics the forwards
+        update), then the proximal SGD step on the `p` rows. Aux: the loss."""
+        P, lr = self.engine.n_params, self.optim.lr_at(t)
+        wd, thr = self.hp.fusion_weight_decay, lr * self.hp.sparse_penalty
+
+        def step(st: dict[str, torch.Tensor], batch: StepBatch):
+            p, w = st["p"], st["w"]
+            w[:, :P] = base[:P] + p
+            loss, g = batch.grad(w)
             p = p - lr * (g + wd * p)
             if thr > 0:
                 p = soft_threshold(p, thr)
-            losses.append(loss)
-        self.p[i] = p
-        self.p_nnz[i] = int((p != 0).sum())
-        return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+            return {**st, "p": p}, loss
+
+        return step
+
+    def fusion(self, clients: list[int], base: torch.Tensor, t: int) -> torch.Tensor:
+        """The clients' p_i by proximal SGD on f_i(base + p), base frozen, all clients at
+        once where the engine can; each client's mean loss [C]."""
+        idx = torch.as_tensor(clients, device=self.device)
+        res = self.engine.client_steps(
+            {"p": self.p[idx], "w": base.repeat(len(clients), 1)},
+            clients,
+            self.fusion_step(base, t),
+            batch_size=self.run.batch_size,
+            epochs=self.hp.fusion_epochs,
+            round=t,
+            salt=1,
+        )
+        p = res.states["p"]
+        self.p[idx] = p
+        self.p_nnz[idx.cpu()] = (p != 0).sum(1).cpu()
+        return res.client_mean()
 
     # ------------------------------------------------------------------ the contract
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
@@ -160,7 +178,7 @@ class FedSLR(Algorithm):
         )
         x = self.receive(res.states, clients, ref=self.theta)  # the uploads x_i
         # Phase II: each client's sparse p_i on its f_i(theta^t + p), theta^t frozen
-        fusion_loss = torch.stack([self.fusion(int(i), sent, t) for i in clients])
+        fusion_loss = self.fusion([int(i) for i in clients], sent, t)
         # Phase I, server: z = mean x_i - h / alpha, theta^{t+1} = prox_{tau ||.||_*}(z)
         z = self.server_average(x)
         if self.tau > 0:
