@@ -93,6 +93,8 @@ def test_auto_runs_step_functions_sequentially_on_a_cpu_and_batched_on_cuda(monk
     eng = Engine(fed, build_model("mlp", fed.input_shape, 3, hidden=[8]), device="cpu")
     assert eng.backend_for(3, client_steps=True) == "sequential"
     assert eng.backend_for(3) == "vmap"
+    # APPLE's step reads one shared matrix: batched products win on a CPU too
+    assert eng.backend_for(3, client_steps=True, batched_on_cpu=True) == "vmap"
     monkeypatch.setattr(eng, "device", torch.device("cuda"))
     assert eng.backend_for(3, client_steps=True) == "vmap"
 

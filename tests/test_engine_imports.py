@@ -122,8 +122,8 @@ def test_a_backend_runs_on_its_parts_without_an_engine(tiny_fed):
 
 
 @pytest.mark.parametrize("algo,slots", [("ditto", {"personal", "main"}), ("apple", {"core"})])
-def test_hand_written_loops_keep_their_state_in_the_engine_store(algo, slots):
-    """Kept optimizer state of hand-written loops (Ditto's interleaved steps, APPLE's cores)
+def test_step_functions_keep_their_state_in_the_engine_store(algo, slots):
+    """Kept optimizer state of step functions (Ditto's interleaved steps, APPLE's cores)
     lives in the engine's one store: `Engine.state_dict` carries it to a resumed run."""
     extra = ["optim.persist_state=true", "optim.momentum=0.9"]
     if algo == "ditto":

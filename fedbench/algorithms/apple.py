@@ -175,6 +175,7 @@ class APPLE(Algorithm):
             batch_size=self.run.batch_size,
             epochs=self.run.local_epochs,
             round=t,
+            batched_on_cpu=True,  # one product over the shared cores serves all k clients
         )
         st = res.states
         eng.optim_states.keep(self.optim, "core", idx, {k: st["ost." + k] for k in ost})

@@ -195,7 +195,12 @@ class Engine:
 
     # ------------------------------------------------------------------ backends
     def backend_for(
-        self, n_clients: int, objective: Objective | None = None, *, client_steps: bool = False
+        self,
+        n_clients: int,
+        objective: Objective | None = None,
+        *,
+        client_steps: bool = False,
+        batched_on_cpu: bool = False,
     ) -> str:
         """The backend a train call over `n_clients` runs on; each choice is logged once.
 
@@ -220,17 +225,19 @@ class Engine:
            scripts/bench_engine.py), sequential with convolutions (vmap makes them grouped
            convolutions, 2x slower there than a loop on the FedAvg CNN round).
 
-        `client_steps` (an algorithm's own step function: pFedMe, Per-FedAvg, Ditto's
-        interleaved mode, PLGU-LF, PLGU-GRep's body steps) is chosen the
-        same way (never a custom objective: its batches' `grad` is the cross-entropy), but
-        auto on a CPU picks sequential: a step function's own vector updates run over [k, P]
-        rows that outgrow the cache where one client's [P] row stays in it (pFedMe on the
-        FMNIST MLP of scripts/bench_algorithms.py, quiet machine: 8.8x FedAvg's round
-        sequential, 10.5x on vmap; Ditto's interleaved steps, PLGU-LF and PLGU-GRep were no
+        `client_steps` (an algorithm's own step function: pFedMe, Per-FedAvg, APPLE, FedSLR's
+        Phase II, pFedHN, Ditto's interleaved mode, PLGU) is chosen the same way (never a
+        custom objective: its batches' `grad` is the cross-entropy), but auto on a CPU picks
+        sequential: a step function's own vector updates run over [k, P] rows that outgrow
+        the cache where one client's [P] row stays in it (pFedMe on the FMNIST MLP of
+        scripts/bench_algorithms.py, quiet machine: 8.8x FedAvg's round sequential, 10.5x on
+        vmap; FedSLR 3.4x / 4.6x; Ditto's interleaved steps, PLGU-LF and PLGU-GRep were no
         faster on vmap there, within the noise of a loaded machine), and the sequential path
-        keeps their numbers bit-identical to the per-client loops they replaced. Loops
-        still hand-written per client (`algorithms/_steps.py`: APPLE, FedSLR, pFedHN,
-        PLGU-GHN) run on the module, never through this choice.
+        keeps their numbers bit-identical to the per-client loops they replaced. Unless
+        `batched_on_cpu`: a step whose clients all read one shared matrix (APPLE's N cores:
+        the mixtures and the p-gradients of k clients are one matrix product, where a client
+        alone re-reads all N cores every step) is faster batched on a CPU too (APPLE 2.3x
+        FedAvg's round on vmap, 3.8x sequential).
         """
         if self.backend == "sequential":
             return "sequential"
@@ -243,6 +250,8 @@ class Engine:
             choice, why = "sequential", "one client: nothing to batch"
         elif self.device.type == "cuda":
             choice, why = "vmap", "CUDA: all clients in one batched computation per step"
+        elif client_steps and batched_on_cpu:
+            choice, why = "vmap", "CPU, a step function over one shared matrix: batched products"
         elif client_steps:
             choice, why = "sequential", "CPU, a step function: [k, P] row updates outgrow the cache"
         elif self._has_conv:
@@ -376,6 +385,7 @@ class Engine:
         steps: int | None = None,
         round: int = 0,
         salt: int = 0,
+        batched_on_cpu: bool = False,
     ) -> StepsResult:
         """Run `step(state, batch) -> (state, aux)` over each client's batches (`batches`'
         schedule for the same arguments: the same batches and crops), from row c of every
@@ -387,6 +397,7 @@ class Engine:
         parameters (+ `at` [k, P], SAM's second gradient), its buffers updated in place.
         Sequential: client after client with k = 1 (`FlatModule.grad_at`, a hand-written
         loop's numbers); vmap: at step s, every client that has an s-th batch at once.
+        `batched_on_cpu`: vmap is the CPU's choice too (`backend_for`).
         """
         plan = StepPlan(
             tuple(int(c) for c in clients),
@@ -396,7 +407,9 @@ class Engine:
             round=round,
             salt=salt,
         )
-        backend = self.backend_for(len(plan.clients), client_steps=True)
+        backend = self.backend_for(
+            len(plan.clients), client_steps=True, batched_on_cpu=batched_on_cpu
+        )
         with torch.enable_grad():
             return self.backends[backend].client_steps(plan, states, step)
 
