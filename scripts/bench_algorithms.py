@@ -314,7 +314,9 @@ def pfedhn_steps(a, c: Ctx) -> float:
     return a.hp.inner_steps * c.B / (c.E * c.n)
 
 
-FROZEN = "frozen layers: the engine computes the whole backward, then masks the step"
+FROZEN = (
+    "frozen layers: no backward through them, but the masked step reads and writes all P entries"
+)
 TERMS = "loss terms: autograd over the clients' C x P parameters each step (memory-bound)"
 HYPERNET = "the hypernetwork's VJP and SGD step over all its H G entries per client (memory-bound)"
 
