@@ -7,7 +7,6 @@ learns on real FMNIST and that a killed run resumes exactly."""
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import numpy as np
 import pytest
@@ -228,12 +227,7 @@ def test_a2_scales_every_upload():
     algo, eng, fed = make_algo("fedcp", ["algo.head_upload=personal"])
     clients = np.arange(3)
     start = algo.states_of(clients)
-    loss = partial(
-        fedcp_loss,
-        ctx=algo.contexts(algo.phead),
-        lam=algo.hp.lam,
-        gens=algo.generators(0, clients),
-    )
+    loss = algo.objective(0, clients)  # with its Gumbel noise: client after client
     want = train_on(algo, algo.trainer, start, clients, 0, objective=loss, trainable=algo.trainable)
     frozen = torch.cat([algo.head_cols, algo.gbody_cols])  # W^hd and W^fe: no step in training
     assert torch.equal(want.states[:, frozen], start[:, frozen])
@@ -272,8 +266,7 @@ def test_batchnorm_statistics_are_averaged_and_copied_to_the_frozen_extractor():
     spec = algo.trainer.spec
     clients = np.array([0, 1])
     start = algo.states_of(clients)
-    loss = partial(fedcp_loss, ctx=algo.contexts(algo.phead[:2]), lam=algo.hp.lam,
-                   gens=algo.generators(0, clients))  # fmt: skip
+    loss = algo.objective(0, clients)
     want = train_on(algo, algo.trainer, start, clients, 0, objective=loss, trainable=algo.trainable)
     algo.round(0, clients)
     wts = fed.train_sizes[:2] / fed.train_sizes[:2].sum()

@@ -47,6 +47,10 @@ def fedbench(*args: str, capsys) -> tuple[int, str, str]:
     from fedbench import cli
 
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    # as from a terminal: a suite started as a background job inherits SIGINT ignored, and
+    # fedbench rightly leaves an ignored signal ignored (nohup)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     argv = sys.argv
     cli._SIG = cli._Signals()
     sys.argv = ["fedbench", *args]

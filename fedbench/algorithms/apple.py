@@ -132,8 +132,8 @@ class APPLE(Algorithm):
             if k == 1:
                 if not mine:
                     mine.append(cores.clone())
-                own, i = mine[0][:, :P], int(ids[0])
-                own[i] = core[0]
+                own = mine[0][:, :P]
+                own.index_copy_(0, ids, core)  # row i = c_i (an index tensor: no host read)
             if batch.index == 0:
                 w[:, :P] = mixture(p, core, ids)  # p_i @ cores at the round's start
             loss, g = batch.grad(w)  # updates the rows' running statistics
@@ -148,10 +148,10 @@ class APPLE(Algorithm):
                 step_(self.optim, core, p[ar, ids, None] * g, ost, lr)
                 p -= eta_p * grad_p
             if k == 1:
-                own[i] = core[0]
+                own.index_copy_(0, ids, core)
             w[:, :P] = mixture(p, core, ids)
-            if k == 1:
-                own[i] = shared[i]  # the next client's cores are the downloaded ones
+            if k == 1:  # the next client's cores are the downloaded ones
+                own.index_copy_(0, ids, shared.index_select(0, ids))
             return st, loss
 
         return step

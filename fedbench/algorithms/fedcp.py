@@ -83,6 +83,7 @@ from fedbench.algorithms._shared import TrainerLayout, base_columns, make_engine
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import nonneg, positive
 from fedbench.engine import client_row, sequential_objective
+from fedbench.engine.plan import Objective
 from fedbench.errors import ConfigError
 
 # The RBF kernel mixture of the authors' MMD (clientcp.py, kernel "rbf"):
@@ -260,9 +261,11 @@ class FedCP(TrainerLayout, Algorithm):
         return out
 
     # ------------------------------------------------------------------ the round
-    def round(self, t: int, clients: np.ndarray) -> RoundReport:
+    def objective(self, t: int, clients) -> Objective:
+        """Round t's local objective for `clients` (their conditional inputs, their Gumbel
+        noise generators); with noise it runs client after client (`sequential_objective`:
+        the generators draw in each client's own order, which vmap cannot reproduce)."""
         idx = torch.as_tensor(clients, device=self.device)
-        start = self.states_of(clients)
         loss = partial(
             fedcp_loss,
             ctx=self.contexts(self.phead[idx]),
@@ -271,6 +274,12 @@ class FedCP(TrainerLayout, Algorithm):
         )
         if self.hp.gumbel:
             loss = sequential_objective(loss, "Gumbel noise drawn from per-client generators")
+        return loss
+
+    def round(self, t: int, clients: np.ndarray) -> RoundReport:
+        idx = torch.as_tensor(clients, device=self.device)
+        start = self.states_of(clients)
+        loss = self.objective(t, clients)
         res = train_on(
             self, self.trainer, start, clients, t, objective=loss, trainable=self.trainable
         )

@@ -207,9 +207,9 @@ class VmapBackend:
         S, C, B = idx.shape
         training = [sum(n > s for n in n_steps) for s in range(S)]  # clients left at step s
         # real samples per step [S][C] (batch statistics or an objective, which takes the
-        # batch's mean itself: padding must stay out; a host sync on a GPU)
+        # batch's mean itself: padding must stay out), from the host-side schedules
         exact = self.batch_stats or objective is not None
-        lens = (wt > 0).sum(-1).tolist() if exact else [[B] * C] * S
+        lens = step_lengths(sched, S) if exact else [[B] * C] * S
         # the chunk's rows of per-client tensors: terms' references, LWSAM's scale
         tensors, dims = [], []
         for t in terms:
@@ -340,7 +340,8 @@ class VmapBackend:
             aug = stack_draws(draws, idx.shape, dev)
             Sc, _, Bc = idx.shape
             training = [sum(n > s for n in n_steps) for s in range(Sc)]
-            lens = (wt > 0).sum(-1).tolist() if self.batch_stats else [[Bc] * len(mine)] * Sc
+            chunk = [sched[c] for c in mine]
+            lens = step_lengths(chunk, Sc) if self.batch_stats else [[Bc] * len(mine)] * Sc
             for s, k in enumerate(training):
                 ix = idx[s, :k].reshape(-1)
                 x, y = self.schedule.batch(ix, None if aug is None else aug[s, :k].reshape(-1, 3))
@@ -497,6 +498,13 @@ def stack_draws(
     for c, d in enumerate(draws):
         out[: d.shape[0], c, : d.shape[1]] = d
     return out
+
+
+def step_lengths(sched: list[tuple[torch.Tensor, list[int]]], steps: int) -> list[list[int]]:
+    """[S][C]: the real samples of each client's s-th batch (0 past its last step), read from
+    the schedules' host-side lengths (no device read: none on a GPU, and none of a tensor
+    that has no data, on the meta device)."""
+    return [[int(ln[s]) if s < len(ln) else 0 for _, ln in sched] for s in range(steps)]
 
 
 def stack_schedules(
