@@ -41,7 +41,10 @@ SKIP_COLUMNS = ("time",)  # wall times differ run to run
 def run(code: Path, algo: str, out: Path, extra: list[str]) -> bool:
     env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-c", "import sys; from fedbench.cli import main; sys.exit(main())"]
-    cmd += [f"algo={algo}", *BASE, *extra, f"hydra.run.dir={out}"]
+    base = BASE
+    if any(e.startswith("model=") for e in extra):  # another model: the MLP's keys go
+        base = [b for b in BASE if not b.startswith("model")]
+    cmd += [f"algo={algo}", *base, *extra, f"hydra.run.dir={out}"]
     with open(f"{out}.log", "w") as log:
         return subprocess.run(cmd, cwd=code, env=env, stdout=log, stderr=log).returncode == 0
 
