@@ -302,6 +302,8 @@ def test_capabilities_are_checked_with_the_config(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config(compose(overrides))
+    # a model registered as a builder function (ResNet-8) is checked once built, not refused
+    load_config(compose(["algo=fedrep", "model=resnet8", "data=cifar10"]))
 
 
 @pytest.mark.quick

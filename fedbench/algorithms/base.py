@@ -236,12 +236,15 @@ class Algorithm:
         class, before anything is written) and again on the built model (`__init__`).
         `attack`: malicious clients are configured; `server_opt`: the server optimizer."""
         need = cls.needs(hp)
+        # a registered builder function (ResNet-8/18/50) says nothing of its module's pieces
+        # until it is built: checked then, on the built model
+        known = isinstance(model, nn.Module | type)
         split = hasattr(model, "head_params") and hasattr(model, "body_params")
-        if need.head and not split:
+        if need.head and known and not split:
             raise ConfigError(
                 f"algo={cls.name} needs a model with a body/head split (models.FedModel)"
             )
-        if need.features and not hasattr(model, "features"):
+        if need.features and known and not hasattr(model, "features"):
             raise ConfigError(
                 f"algo={cls.name} needs a model whose body's output it can read "
                 "(models.FedModel.features)"
