@@ -442,14 +442,13 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
     algo = str(groups["algo"]["name"])
     algo_cls = ALGORITHMS.get(algo)
     params = typed_params(groups["algo"], algo_cls.Params, algo)
-    attack = node.get("attack") or {}
+    run = build_params(node, RunParams)
     algo_cls.check_needs(
         params,
-        model=MODELS.get(str(groups["model"]["name"])),
-        attack=str(attack.get("kind", "none")) != "none",
+        model=MODELS.get(options["model"].name),
+        attack=run.attack.kind != "none",
         server_opt=server_opt.name,
     )
-    run = build_params(node, RunParams)
     out = RunConfig(
         **{f.name: getattr(run, f.name) for f in fields(RunParams)},
         data=options["data"],

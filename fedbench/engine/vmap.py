@@ -160,6 +160,9 @@ class VmapBackend:
         # longest first (stable): the clients still training are always a prefix of a chunk,
         # and a chunk holds clients of similar step counts
         order = sorted(range(C), key=lambda c: -len(sched[c][1]))
+        # whole tensors the mask freezes take no gradient (not with SAM: its perturbation
+        # reads the whole gradient's norm)
+        frozen = self.spec.frozen(plan.mask) if sam is None else frozenset()
         self.model.train()
         for lo in range(0, C, k):
             pos = torch.tensor(order[lo : lo + k], device=dev)  # positions in the call
@@ -172,7 +175,7 @@ class VmapBackend:
             draws = [self.schedule.draws_of(plan, clients[c], sched[c][0]) for c in mine]
             losses[pos] = self._train_chunk(
                 W, bufs, ost, chunk, draws, optim, plan.lr, plan.terms, plan.mask, sam, pos,
-                plan.objective,
+                plan.objective, frozen,
             )  # fmt: skip
             self.optim_states.keep(optim, plan.slot, ids, ost)
             out[pos, :P] = W
@@ -193,11 +196,13 @@ class VmapBackend:
         sam: SAM | None,
         rows: torch.Tensor,
         objective: Objective | None = None,
+        frozen: frozenset[str] = frozenset(),
     ) -> torch.Tensor:
         """All steps of one chunk of clients, ordered by step count (longest first); W [C, P],
         the buffers `bufs` and `ost` are updated in place. `draws`: each client's augmentation
         draws (or None); `rows`: the clients' positions in the train call, which a custom
-        `objective` receives as its `c` (a 0-d tensor under vmap: it indexes with it).
+        `objective` receives as its `c` (a 0-d tensor under vmap: it indexes with it);
+        `frozen`: the parameters that take no gradient (`ModelSpec.frozen`).
 
         Returns each client's mean loss over its own steps.
         """
@@ -216,9 +221,6 @@ class VmapBackend:
             for v, pc in zip(t.tensors(), t.per_client):
                 tensors.append(v[rows] if pc else v)
                 dims.append(0 if pc else None)
-        # whole tensors the mask freezes take no gradient (not with SAM: its perturbation
-        # reads the whole gradient's norm)
-        frozen = self.spec.frozen(mask) if sam is None else frozenset()
         grad = vmap(
             grad_and_value(self._loss(terms, objective, frozen)),
             in_dims=(0, 0, 0, 0, 0, 0, *dims),
@@ -335,12 +337,12 @@ class VmapBackend:
             mine = order[lo : lo + kc]
             pos = torch.tensor(mine, device=dev)
             st = {n: v[pos] for n, v in out.items()}  # copies, in the chunk's order
-            idx, wt, n_steps = stack_schedules([sched[c] for c in mine], dev)
+            chunk = [sched[c] for c in mine]
+            idx, wt, n_steps = stack_schedules(chunk, dev)
             draws = [self.schedule.draws_of(plan, clients[c], sched[c][0]) for c in mine]
             aug = stack_draws(draws, idx.shape, dev)
             Sc, _, Bc = idx.shape
             training = [sum(n > s for n in n_steps) for s in range(Sc)]
-            chunk = [sched[c] for c in mine]
             lens = step_lengths(chunk, Sc) if self.batch_stats else [[Bc] * len(mine)] * Sc
             for s, k in enumerate(training):
                 ix = idx[s, :k].reshape(-1)
@@ -360,9 +362,19 @@ class VmapBackend:
     def _plain_grad(self):
         """The mapped (gradient, loss) of the plain cross-entropy, built once."""
         if self._plain is None:
-            loss = self._loss(())
-            self._plain = vmap(grad_and_value(lambda w, b, x, y, wt: loss(w, b, x, y, wt, None)))
+            self._plain = self._terms_grad(())
         return self._plain
+
+    def _terms_grad(self, terms: Sequence[Term]):
+        """The mapped (gradient, loss) of the cross-entropy plus `terms` (no objective):
+        fn(W, bufs, x, y, wt, *the terms' tensors), per-client tensors mapped with the
+        clients, shared ones broadcast."""
+        value = self._loss(terms)  # no objective: its client position c is unused
+        dims = [0 if pc else None for t in terms for pc in t.per_client]
+        return vmap(
+            grad_and_value(lambda w, b, x, y, wt, *ts: value(w, b, x, y, wt, None, *ts)),
+            in_dims=(0, 0, 0, 0, 0, *dims),
+        )
 
     # ------------------------------------------------------------------ full gradients
     def full_grads(self, plan: GradPlan, states: torch.Tensor) -> GradResult:
@@ -439,16 +451,9 @@ class MappedBatch:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         be = self.backend
         P, k, B = be.spec.n_params, states.shape[0], self.x.shape[1]
-        if terms:  # the terms' per-client rows map with the clients, shared ones broadcast
-            tensors = [v for t in terms for v in t.tensors()]
-            dims = [0 if pc else None for t in terms for pc in t.per_client]
-            value = be._loss(terms)  # no objective: its client position c is unused
-            fn = vmap(
-                grad_and_value(lambda w, b, x, y, wt, *ts: value(w, b, x, y, wt, None, *ts)),
-                in_dims=(0, 0, 0, 0, 0, *dims),
-            )
-        else:
-            tensors, dims, fn = [], [], be._plain_grad()
+        tensors = [v for t in terms for v in t.tensors()]
+        dims = [0 if pc else None for t in terms for pc in t.per_client]
+        fn = be._terms_grad(terms) if terms else be._plain_grad()
         W, bufs = states[:, :P], be._buffers(states)
         if at is not None:  # SAM's second gradient: at W + at (`states` keeps W)
             W = W + at
