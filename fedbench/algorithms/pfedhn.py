@@ -218,10 +218,7 @@ class PFedHN(Algorithm):
     # ------------------------------------------------------------------ clients
     def state_of(self, i: int, theta: torch.Tensor) -> torch.Tensor:
         """Client i's target state [D]: generated theta, its own head, the shared rest."""
-        s = self.shared.clone()
-        s[: self.engine.n_params][self.gen_mask] = theta
-        s[self.personal_entries] = self.heads[i]
-        return s
+        return self.states_of([i], theta[None])[0]
 
     def states_of(self, clients: list[int], theta: torch.Tensor) -> torch.Tensor:
         """`state_of` for rows: [C, D] from the clients' generated theta [C, G]."""
