@@ -372,6 +372,11 @@ ARITHMETIC: dict[str, Arith] = {
         "(the mixture p @ cores, the p-gradient cores @ g)",
         lambda a, c, t: 1 + 4 * c.N * c.P / (c.B * c.pass_flops),
         approx=True,
+        left_out=(
+            "per step six elementwise passes over [k, P] (<c_i, g>'s product and sum, "
+            "p_i g, the core's step, the mixture's own-row add and its copy into theta): "
+            "memory-bound, each about a third of a FedAvg step on the MLP (profiled)"
+        ),
     ),
     "perfedavg": Arith(
         "2 floor(S/2)/S + N B/(C E n): batches in pairs (D, D'), one forward + backward each "
@@ -445,6 +450,11 @@ ARITHMETIC: dict[str, Arith] = {
         "~1: the model's passes; CoV acts on one conditional vector per client, the GCE "
         "cosine logits are B x U x K (~0)",
         _one,
+        left_out=(
+            "CoV's weights per client (2 K x K: 40% of the MLP's P): per step each is applied "
+            "to p_i and g, its gradient two outer products summed, plus mu's decay: "
+            "memory-bound passes over 2K^2 entries per client"
+        ),
     ),
     "feddbe": Arith(
         "~1: PRBM and the mean regularizer are vector ops (the initialization period is in "
