@@ -8,7 +8,7 @@ round) and prints:
 - `rss_gb`: the process's peak resident memory (ru_maxrss), data and everything included;
 - `cuda_gb`: the peak CUDA memory allocated (where a GPU runs it; "-" on CPU);
 - `ckpt_mb`: the bytes each round's checkpoint wrote (the process's write() bytes during
-  `Run._checkpoint`, /proc/self/io wchar), one number per round;
+  `RunCheckpoint.save`, /proc/self/io wchar), one number per round;
 - `disk_mb`: the run directory's bytes on disk at the end (allocated blocks: a sparse
   memory-mapped file counts what was written, not its length).
 
@@ -70,7 +70,13 @@ def child(args: argparse.Namespace) -> None:
         cap = int(args.max_gb * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     ckpt: list[int] = []
-    original = Run._checkpoint
+    try:  # the checkpoint's save: fedbench/run/checkpoint.py; Run._checkpoint before the split
+        from fedbench.run.checkpoint import RunCheckpoint as saver
+
+        name = "save"
+    except ImportError:
+        saver, name = Run, "_checkpoint"
+    original = getattr(saver, name)
 
     def wchar() -> int:
         for line in Path("/proc/self/io").read_text().splitlines():
@@ -83,7 +89,7 @@ def child(args: argparse.Namespace) -> None:
         original(self, *a, **kw)
         ckpt.append(wchar() - before)
 
-    Run._checkpoint = counted
+    setattr(saver, name, counted)
     cfg = compose_run(overrides(args.algo, args.clients, args.rounds, args.per_round, args.set))
     with tempfile.TemporaryDirectory(dir=args.tmp) as d:
         Run(cfg, Path(d) / "run", progress=False).run()

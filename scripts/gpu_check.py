@@ -158,16 +158,16 @@ def setup_worker(device: str, threads: int) -> None:
     """Every process: float32 without TF32, quiet logs, memoized data loading."""
     import torch
 
-    import fedbench.runner as runner
+    import fedbench.run.build as build
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_num_threads(max(1, threads))
     logging.getLogger("fedbench").setLevel(logging.ERROR)
     # one decode of the data per process (the check measures devices, not loading)
-    if not hasattr(runner.load_dataset, "cache_info"):
-        load = runner.load_dataset
-        runner.load_dataset = functools.lru_cache(maxsize=2)(
+    if not hasattr(build.load_dataset, "cache_info"):
+        load = build.load_dataset
+        build.load_dataset = functools.lru_cache(maxsize=2)(
             lambda name, root, download=True, **kw: load(name, root, download=download, **kw)
         )
 

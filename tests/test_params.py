@@ -262,10 +262,11 @@ def test_attack_reaches_the_algorithm_through_its_context(name):
     except Exception as e:  # noqa: BLE001 - an algorithm that needs another model/data
         pytest.skip(f"{name} not buildable on TinyFed: {e}")
     assert algo.attack is attack and algo.ctx.attack is attack
-    tree = ast.parse((REPO / "fedbench" / "runner.py").read_text())
+    files = [REPO / "fedbench" / "runner.py", *sorted((REPO / "fedbench" / "run").glob("*.py"))]
     set_attrs = [
         ast.unparse(t)
-        for node in ast.walk(tree)
+        for f in files
+        for node in ast.walk(ast.parse(f.read_text()))
         if isinstance(node, ast.Assign)
         for t in node.targets
         if isinstance(t, ast.Attribute)

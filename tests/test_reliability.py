@@ -391,7 +391,7 @@ def test_csv_appender_widens_its_header_and_cuts_a_partial_row(tmp_path):
 def test_few_test_samples_are_warned_about(caplog):
     import numpy as np
 
-    from fedbench.runner import _warn_small_tests
+    from fedbench.run.build import _warn_small_tests
 
     with caplog.at_level("WARNING", logger="fedbench"):
         _warn_small_tests([np.arange(1), np.arange(50), np.arange(3)])

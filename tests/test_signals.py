@@ -83,18 +83,16 @@ def kill_me(sig: int = signal.SIGTERM, times: int = 1) -> None:
         os.kill(os.getpid(), sig)
 
 
-def after_write(monkeypatch, name: str, suffix: str, **kill) -> None:
-    """The signal as soon as fedbench.runner.`name` (an atomic write) wrote `suffix`."""
-    import fedbench.runner as runner
-
-    real = getattr(runner, name)
+def after_write(monkeypatch, module, name: str, suffix: str, **kill) -> None:
+    """The signal as soon as `module.name` (an atomic write) wrote `suffix`."""
+    real = getattr(module, name)
 
     def write(path, *a, **kw):
         real(path, *a, **kw)
         if str(path).endswith(suffix):
             kill_me(**kill)
 
-    monkeypatch.setattr(runner, name, write)
+    monkeypatch.setattr(module, name, write)
 
 
 def in_round(monkeypatch, k: int, **kill) -> None:
@@ -145,18 +143,21 @@ class _NoCapture:
 
 def hook(point: str, monkeypatch, sig: int) -> None:
     import fedbench.cli as cli
+    import fedbench.run.build as build
+    import fedbench.run.loop as loop
+    import fedbench.run.record as record
     import fedbench.runner as runner
 
     if point == "checks":  # before anything: the config and directory checks
         before(monkeypatch, cli, "precheck", sig=sig)
     elif point == "data":  # set-up: the data loading, before the directory is claimed
-        before(monkeypatch, runner, "load_dataset", sig=sig)
+        before(monkeypatch, build, "load_dataset", sig=sig)
     elif point == "config":  # the directory claimed, .hydra/config.yaml written
-        after_write(monkeypatch, "atomic_write_text", ".hydra/config.yaml", sig=sig)
+        after_write(monkeypatch, loop, "atomic_write_text", ".hydra/config.yaml", sig=sig)
     elif point == "partition":  # partition.json written, the loop not yet started
-        after_write(monkeypatch, "atomic_write_json", "partition.json", sig=sig)
+        after_write(monkeypatch, record, "atomic_write_json", "partition.json", sig=sig)
     elif point == "partition-twice":  # ... and a second one while the first is handled
-        after_write(monkeypatch, "atomic_write_json", "partition.json", sig=sig)
+        after_write(monkeypatch, record, "atomic_write_json", "partition.json", sig=sig)
         before(monkeypatch, cli, "_clean_stopped", sig=sig)
     elif point == "round-2":
         in_round(monkeypatch, 2, sig=sig)
@@ -165,7 +166,7 @@ def hook(point: str, monkeypatch, sig: int) -> None:
     elif point == "last-round-twice":  # the second signal: stop at once, before a checkpoint
         in_round(monkeypatch, 3, sig=sig, times=2)
     elif point == "summary":  # summary.json just written
-        after_write(monkeypatch, "atomic_write_json", "summary.json", sig=sig)
+        after_write(monkeypatch, record, "atomic_write_json", "summary.json", sig=sig)
     elif point == "table":  # the run returned; the final table is printed
         before(monkeypatch, runner, "final_table", sig=sig)
     else:  # pragma: no cover
