@@ -6,7 +6,7 @@ checkpoint state and every client's personalized predictions agree. One round of
 a smaller TinyFed of 1x6x6 images through a BatchNorm CNN (running statistics as per-client batched
 buffers, batches of unequal length at an epoch's end), with and without random crops and
 flips (`data.augment`: draws keyed by seed, round, client, salt and batch), the same way;
-three algorithms also through a small WideResNet with dropout (`KeyedDropout`: masks keyed
+two algorithms also through a small WideResNet with dropout (`KeyedDropout`: masks keyed
 the same way). Custom objectives (FedProto, FedRoD, MOON, ...) run on vmap at each client's
 mapped state; where vmap cannot run the sequential computation (torch's own `nn.Dropout`,
 FedCP's Gumbel noise) the engine falls back to sequential, and both runs would take one
@@ -208,12 +208,11 @@ def test_both_backends_agree_on_batchnorm_and_augmentation(name, caplog, monkeyp
     assert_same_runs(name, monkeypatch, rounds=1, image=True)
 
 
-# Algorithms whose engine calls reach dropout another way than tests/test_dropout.py's
-# (`train`, SAM, `client_steps` and `full_grads` on the engine itself): MOON's custom
-# objective (the model in training mode beside the global and previous ones in evaluation
-# mode), pFedHN's hypernetwork generating the WideResNet's weights (`client_steps`), FedPG's
-# full gradients.
-DROPOUT_CASES = ["fedpg", "moon", "pfedhn"]
+# Algorithms that reach dropout through a run rather than tests/test_dropout.py's direct
+# engine calls (`train`, SAM, `client_steps`, `full_grads`): MOON's custom objective (the
+# model in training mode beside the global and previous ones in evaluation mode), FedPG's
+# full gradients and line search.
+DROPOUT_CASES = ["fedpg", "moon"]
 
 
 @pytest.mark.quick
