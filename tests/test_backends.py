@@ -5,10 +5,12 @@ Two rounds of each algorithm on TinyFed (3 clients, an MLP 6-8-3, batch 8) with
 checkpoint state and every client's personalized predictions agree. One round of each on
 a smaller TinyFed of 1x6x6 images through a BatchNorm CNN (running statistics as per-client batched
 buffers, batches of unequal length at an epoch's end), with and without random crops and
-flips (`data.augment`: draws keyed by seed, round, client, salt and batch), the same way.
-Custom objectives (FedProto, FedRoD, MOON, ...) run on vmap at each client's mapped state;
-where vmap cannot run the sequential computation (dropout, FedCP's Gumbel noise) the engine
-falls back to sequential, and both runs would take one path (the vmap run alone is made);
+flips (`data.augment`: draws keyed by seed, round, client, salt and batch), the same way;
+two algorithms also through a small WideResNet with dropout (`KeyedDropout`: masks keyed
+the same way). Custom objectives (FedProto, FedRoD, MOON, ...) run on vmap at each client's
+mapped state; where vmap cannot run the sequential computation (torch's own `nn.Dropout`,
+FedCP's Gumbel noise) the engine falls back to sequential, and both runs would take one
+path (the vmap run alone is made);
 elsewhere it checks the algorithm's own use of the engine (its terms, trainable masks,
 per-client rows) under batched training. New algorithms are covered as soon as they are
 registered.
@@ -55,11 +57,19 @@ def bn_cnn(fed):
     )  # fmt: skip
 
 
-def run_rounds(name: str, backend: str, monkeypatch, rounds: int = 2, image=None, extra=()):
+def wrn_dropout(fed):
+    """WideResNet-10-1 (one pre-activation block per stage, GroupNorm), dropout 0.3."""
+    return build_model("wrn28_10", fed.input_shape, fed.num_classes, depth=10, widen=1, dropout=0.3)
+
+
+def run_rounds(
+    name: str, backend: str, monkeypatch, rounds: int = 2, image=None, extra=(), model_fn=None
+):
     """(algorithm state after `rounds` rounds, each client's hits on its test data by the
     personalized and the global model, the backends the engine chose). `image`: None (the
-    MLP on TinyFed), or whether the BatchNorm CNN on ImageFed reads augmented batches."""
-    kw = {} if image is None else {"fed": ImageFed(image), "model_fn": bn_cnn}
+    MLP on TinyFed), or whether the BatchNorm CNN (or `model_fn`'s model) on ImageFed reads
+    augmented batches."""
+    kw = {} if image is None else {"fed": ImageFed(image), "model_fn": model_fn or bn_cnn}
     algo, _, fed = make_algo(name, [f"engine.backend={backend}", *extra], backend=backend, **kw)
     chosen: list[str] = []
     choose = Engine.backend_for
@@ -152,18 +162,22 @@ UNEQUAL = {
 }
 
 
-def assert_same_runs(name: str, monkeypatch, rounds: int, image=None, extra=()) -> None:
+def assert_same_runs(
+    name: str, monkeypatch, rounds: int, image=None, extra=(), model_fn=None
+) -> None:
     """The vmap run equals the sequential one (where vmap ran at all)."""
     extra = (*CHEAP.get(name, ()), *extra)
-    vm_state, vm_hits, vm_chosen = run_rounds(name, "vmap", monkeypatch, rounds, image, extra)
-    if name in CLIENT_STEPS or name in MAPPED_OBJECTIVES:
+    vm_state, vm_hits, vm_chosen = run_rounds(
+        name, "vmap", monkeypatch, rounds, image, extra, model_fn
+    )
+    if name in CLIENT_STEPS or name in MAPPED_OBJECTIVES or model_fn is not None:
         assert "vmap" in vm_chosen, vm_chosen
     if "vmap" not in vm_chosen:
         # every train call fell back to sequential (or the algorithm trains without the
         # engine): a sequential run would take the same path
         return
     seq_state, seq_hits, seq_chosen = run_rounds(
-        name, "sequential", monkeypatch, rounds, image, extra
+        name, "sequential", monkeypatch, rounds, image, extra, model_fn
     )
     assert set(seq_chosen) == {"sequential"}
     assert len(vm_chosen) == len(seq_chosen)  # the same train calls
@@ -192,6 +206,22 @@ def test_both_backends_agree_on_batchnorm_and_augmentation(name, caplog, monkeyp
     flips at once (one case per algorithm keeps the suite's time)."""
     caplog.set_level(logging.WARNING)
     assert_same_runs(name, monkeypatch, rounds=1, image=True)
+
+
+# Algorithms that reach dropout through a run rather than tests/test_dropout.py's direct
+# engine calls (`train`, SAM, `client_steps`, `full_grads`): MOON's custom objective (the
+# model in training mode beside the global and previous ones in evaluation mode), FedPG's
+# full gradients and line search.
+DROPOUT_CASES = ["fedpg", "moon"]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", DROPOUT_CASES)
+def test_both_backends_agree_with_dropout(name, caplog, monkeypatch):
+    """A WideResNet with dropout 0.3 and augmentation: keyed masks (and crops) on vmap are
+    the sequential backend's, so vmap runs it and gives the same run."""
+    caplog.set_level(logging.WARNING)
+    assert_same_runs(name, monkeypatch, rounds=1, image=True, model_fn=wrn_dropout)
 
 
 @pytest.mark.quick

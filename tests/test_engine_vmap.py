@@ -12,7 +12,7 @@ from torch import nn
 from conftest import TinyFed, run_small
 from fedbench.engine import SAM, Engine, Linear, OptimConfig, Proximal, sequential_objective
 from fedbench.engine.vmap import stack_schedules
-from fedbench.models import build_model
+from fedbench.models import KeyedDropout, build_model
 
 CLIENTS = [0, 1, 2]  # TinyFed: 37, 20, 50 samples -> uneven step counts and partial batches
 
@@ -165,6 +165,8 @@ def test_auto_rule(tiny_fed, caplog):
     assert cumulative.backend_for(3) == "sequential"  # one global counter, read as a number
     drop = Engine(tiny_fed, mlp(mid=nn.Dropout(0.1)), device="cpu", backend="vmap")
     assert drop.backend_for(3) == "sequential"  # masks from torch's global generator
+    keyed = Engine(tiny_fed, mlp(mid=KeyedDropout(0.1)), device="cpu")
+    assert keyed.backend_for(3) == "vmap"  # keyed masks: the same on both backends
     assert Engine(tiny_fed, mlp(), device="cpu", backend="vmap").backend_for(1) == "vmap"
     tiny_fed.augment = True  # keyed draws: both backends crop and flip alike
     assert Engine(tiny_fed, mlp(), device="cpu").backend_for(3) == "vmap"

@@ -54,6 +54,7 @@ from fedbench.engine.spec import ModelSpec
 from fedbench.engine.store import OptimStates
 from fedbench.engine.terms import Term
 from fedbench.engine.vmap import VmapBackend, blocker
+from fedbench.models.dropout import has_keyed_dropout
 
 BACKENDS = ("auto", "sequential", "vmap")
 
@@ -94,7 +95,9 @@ class Engine:
         self.backend = backend
         self.eval_batch_size = eval_batch_size
         self.module = FlatModule(self.model, self.spec, self.device)
-        self.batch_schedule = Schedule(fed, self.device, seed=seed, drop_last=drop_last)
+        self.batch_schedule = Schedule(
+            fed, self.device, seed=seed, drop_last=drop_last, dropout=has_keyed_dropout(model)
+        )
         self.rows_policy = rows or RowsPolicy()  # where per-client rows live (`client_rows`)
         self.optim_states = OptimStates(fed.num_clients, self.device, self.rows_policy)
         # vmap: clients per batched chunk (None: by memory), GiB per chunk (None: half free)
@@ -205,12 +208,14 @@ class Engine:
         """The backend a train call over `n_clients` runs on; each choice is logged once.
 
         Both backends give the same numbers (to float tolerance) wherever vmap runs: BatchNorm
-        statistics are per-client batched buffers, and augmentation draws from streams keyed
-        by (seed, round, client, salt, batch), not read in call order.
+        statistics are per-client batched buffers, and augmentation and dropout
+        (`KeyedDropout`) draw from streams keyed by (seed, round, client, salt, batch), not
+        read in call order.
 
         1. `sequential` when asked, and where vmap cannot run the same computation (an
-           explicit `vmap` falls back there too): dropout (its masks come from torch's
-           global generator inside the forward, drawn in the order forwards run); BatchNorm
+           explicit `vmap` falls back there too): torch's own `nn.Dropout` (its masks come
+           from torch's global generator inside the forward, drawn in the order forwards
+           run; fedbench's models use `KeyedDropout`, which runs on vmap); BatchNorm
            with momentum=None (its cumulative average reads a step counter as a Python
            number, one per module, not per client); an objective marked
            `sequential_objective` (FedCP's Gumbel noise from per-client generators). Any

@@ -22,6 +22,7 @@ from torch import nn
 from fedbench.engine.plan import Objective
 from fedbench.engine.spec import ModelSpec
 from fedbench.engine.terms import Term
+from fedbench.models.dropout import dropout_key
 
 
 class FlatModule:
@@ -79,6 +80,7 @@ class FlatModule:
         rows=(),
         objective: Objective | None = None,
         c: int = 0,
+        key: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Loss of the loaded model on (x, y) (+ terms); its gradient lands in `grad`.
 
@@ -86,13 +88,15 @@ class FlatModule:
         batch and updates its running statistics, dropout drops), whatever an evaluation
         left. `objective(model, x, y, c)` replaces the cross-entropy (FedProto's prototype
         loss, FedRoD's two heads ...); `c` is the client's position in the train call.
+        `key`: the batch's dropout key (`Schedule.keys`; None: the surrounding block's).
         """
         self.model.train()
         self.grad.zero_()
-        if objective is None:
-            loss = F.cross_entropy(self.model(x), y)
-        else:
-            loss = objective(self.model, x, y, c)
+        with dropout_key(key):
+            if objective is None:
+                loss = F.cross_entropy(self.model(x), y)
+            else:
+                loss = objective(self.model, x, y, c)
         loss.backward()
         loss = loss.detach()
         if terms:
@@ -108,18 +112,20 @@ class FlatModule:
         at: torch.Tensor | None = None,
         terms: Sequence[Term] = (),
         rows=(),
+        key: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, gradient [P]) of the flat `state` [D] (evaluated at state + `at` when given)
-        on (x, y), a training step (`grad_at_loaded`). The gradient is a tensor of its own
-        (not `grad`, which the next call overwrites); `state`'s buffers (running statistics)
-        are updated in place as the forward updated the module's. A perturbed evaluation is
-        done as the sequential backend does SAM: add `at` in place, forward/backward, subtract.
+        on (x, y), a training step (`grad_at_loaded`, with the dropout `key`). The gradient
+        is a tensor of its own (not `grad`, which the next call overwrites); `state`'s
+        buffers (running statistics) are updated in place as the forward updated the
+        module's. A perturbed evaluation is done as the sequential backend does SAM: add `at`
+        in place, forward/backward, subtract.
         """
         P = self.spec.n_params
         if at is not None:
             state[:P].add_(at)
         self.load(state)
-        loss = self.grad_at_loaded(x, y, terms, rows)
+        loss = self.grad_at_loaded(x, y, terms, rows, key=key)
         if at is not None:
             state[:P].sub_(at)
         if self.spec.has_buffers:

@@ -29,6 +29,7 @@ from torch.func import functional_call
 
 from fedbench.engine.optim import OptimConfig
 from fedbench.engine.spec import ModelSpec
+from fedbench.models.dropout import dropout_key
 
 GRAD_ROWS = 6  # parameter rows of one client's vmapped gradient (see above)
 STEP_ROWS = 2  # a training step's optimizer temporaries on top of the gradient's rows
@@ -72,6 +73,7 @@ class MemoryModel:
         w = self.spec.flatten(self.model)[: self.spec.n_params].clone().requires_grad_(True)
         tensors = {n: b.clone() for n, b in self.model.named_buffers()}
         tensors.update(self.spec.param_views(w))
+        key = torch.zeros((), dtype=torch.long, device=self.device)
 
         def saved(n: int) -> int:
             seen: dict[tuple[int, int], int] = {}
@@ -80,7 +82,8 @@ class MemoryModel:
                 seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
                 return t
 
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            # a training step's forward: keyed dropout (no draw from the global generator)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), dropout_key(key):
                 logits = functional_call(self.model, tensors, (x[:n],))
                 F.cross_entropy(logits, y[:n])
             return sum(seen.values())

@@ -10,6 +10,11 @@ call come from a generator seeded by (seed, round, client, salt), row s of its d
 batch s (`draws`). Both backends and the hand-written loops crop and flip a client's batch
 alike, whatever the order in which they read the clients' batches, and a resume needs no
 saved generator state.
+
+Dropout (`fedbench.models.dropout.KeyedDropout`) is keyed the same way: `keys` gives one key
+per batch of a client's schedule, from (seed, round, client, salt) on a stream of its own;
+each backend enters the key of the batch around the batch's forward, so both drop the same
+elements. `full_keys` serves full-gradient passes (one key per block, no round).
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ import torch.nn.functional as F
 
 from fedbench.data.federation import draw_augment
 from fedbench.engine.plan import TrainPlan
+from fedbench.models.dropout import batch_keys
 
 AUGMENT_KEY = 1  # appended to a schedule's key: the augmentation draws' own stream
+DROPOUT_KEY = 2  # appended to a schedule's key: the dropout keys' own stream
+FULL_KEY = 3  # a full-gradient pass's dropout keys (seed, client, FULL_KEY)
 
 
 def _seed(*parts: int) -> int:
@@ -33,11 +41,20 @@ def _seed(*parts: int) -> int:
 class Schedule:
     """Batches of the federation's clients: `indices` [S, B] per client, `read` them."""
 
-    def __init__(self, fed, device: torch.device, *, seed: int = 0, drop_last: bool = False):
+    def __init__(
+        self,
+        fed,
+        device: torch.device,
+        *,
+        seed: int = 0,
+        drop_last: bool = False,
+        dropout: bool = False,
+    ):
         self.fed = fed
         self.device = device
         self.seed = seed
         self.drop_last = drop_last
+        self.dropout = dropout  # the model has keyed dropout: batches get keys (`keys`)
 
     def indices(
         self,
@@ -83,6 +100,24 @@ class Schedule:
         g = torch.Generator().manual_seed(_seed(self.seed, round, client, salt, AUGMENT_KEY))
         return draw_augment(g, tuple(shape)).to(self.device)
 
+    def keys(self, client: int, n: int, *, round: int = 0, salt: int = 0) -> torch.Tensor | None:
+        """The dropout keys [n] of a client's schedule of n batches (None when the model has
+        no keyed dropout): key s for batch s (`fedbench.models.dropout`)."""
+        if not self.dropout:
+            return None
+        k0, k1 = np.random.SeedSequence(
+            [int(self.seed), int(round), int(client), int(salt), DROPOUT_KEY]
+        ).generate_state(2)
+        return batch_keys(int(k0), int(k1), n, self.device)
+
+    def full_keys(self, client: int, n: int) -> torch.Tensor | None:
+        """The dropout keys [n] of a full-gradient pass's n blocks over a client's data: the
+        same at every call (one fixed loss function per client, whatever the round)."""
+        if not self.dropout:
+            return None
+        k0, k1 = np.random.SeedSequence([int(self.seed), int(client), FULL_KEY]).generate_state(2)
+        return batch_keys(int(k0), int(k1), n, self.device)
+
     def of(self, plan: TrainPlan, client: int) -> tuple[torch.Tensor, list[int]]:
         """The schedule of `client` in a train call."""
         return self.indices(
@@ -97,6 +132,10 @@ class Schedule:
     def draws_of(self, plan: TrainPlan, client: int, idx: torch.Tensor) -> torch.Tensor | None:
         """The augmentation draws of `client`'s schedule `idx` in a train call."""
         return self.draws(client, idx.shape, round=plan.round, salt=plan.salt)
+
+    def keys_of(self, plan: TrainPlan, client: int, n: int) -> torch.Tensor | None:
+        """The dropout keys of `client`'s n batches in a train call (`keys`)."""
+        return self.keys(client, n, round=plan.round, salt=plan.salt)
 
     def batch(
         self, idx: torch.Tensor, draws: torch.Tensor | None = None

@@ -8,8 +8,9 @@ batches are gathered by index (`Schedule`), and nothing in the step loop synchro
 the host (losses accumulate on the device).
 
 It runs everything `Engine.train` accepts: float buffers (BatchNorm running statistics
-update in the forward, as in any PyTorch training step), dropout, custom objectives, data
-augmentation (as the `Schedule` draws it per client and batch). `full_grads` reads each
+update in the forward, as in any PyTorch training step), dropout (keyed dropout with the
+`Schedule`'s key of each batch), custom objectives, data augmentation (as the `Schedule`
+draws it per client and batch). `full_grads` reads each
 client's whole training set in blocks without augmentation, the module in training mode
 (BatchNorm on the block's statistics; the buffers after the pass come back as
 `GradResult.buffers`). `client_steps` runs an algorithm's step function client after client
@@ -39,13 +40,21 @@ from fedbench.engine.plan import (
 from fedbench.engine.schedule import Schedule
 from fedbench.engine.store import OptimStates
 from fedbench.engine.terms import Term
+from fedbench.models.dropout import dropout_key
 
 
 class OneClient:
     """One client's batch of a step (`StepBatch` with k = 1), its gradients on the module."""
 
-    def __init__(self, module: FlatModule, x: torch.Tensor, y: torch.Tensor, index: int) -> None:
-        self.module, self.x, self.y, self.index = module, x, y, index
+    def __init__(
+        self,
+        module: FlatModule,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        index: int,
+        key: torch.Tensor | None = None,
+    ) -> None:
+        self.module, self.x, self.y, self.index, self.key = module, x, y, index, key
 
     def grad(
         self,
@@ -62,6 +71,7 @@ class OneClient:
             at=None if at is None else at[0],
             terms=terms,
             rows=[t.rows(0) for t in terms],
+            key=self.key,
         )
         return loss[None], g[None]
 
@@ -110,16 +120,18 @@ class SequentialBackend:
             n = 0
             idx, lens = self.schedule.of(plan, client)
             draws = self.schedule.draws_of(plan, client, idx)
+            keys = self.schedule.keys_of(plan, client, len(lens))
             for x, y in self.schedule.read(idx, lens, draws):
+                key = None if keys is None else keys[n]
                 n += 1
-                total += mod.grad_at_loaded(x, y, plan.terms, rows, plan.objective, c)
+                total += mod.grad_at_loaded(x, y, plan.terms, rows, plan.objective, c, key)
                 if sam is not None:
                     e = sam.perturbation(g, scale)
                     if mask is not None:
                         e = e * mask
                     with torch.no_grad():
                         w.add_(e)
-                    mod.grad_at_loaded(x, y, plan.terms, rows, plan.objective, c)
+                    mod.grad_at_loaded(x, y, plan.terms, rows, plan.objective, c, key)
                     with torch.no_grad():
                         w.sub_(e)
                 with torch.no_grad():
@@ -146,13 +158,16 @@ class SequentialBackend:
             if n == 0:
                 continue
             mod.grad.zero_()
-            for s in range(0, n, block):
+            keys = self.schedule.full_keys(client, -(-n // block))
+            for j, s in enumerate(range(0, n, block)):
                 x, y = self.fed.batch(pool[s : s + block], train=False)
+                key = None if keys is None else keys[j]
                 if plan.with_grad:
-                    loss = F.cross_entropy(model(x), y, reduction="sum") / n
+                    with dropout_key(key):
+                        loss = F.cross_entropy(model(x), y, reduction="sum") / n
                     loss.backward()  # accumulates into mod.grad (the module's .grad views)
                 else:
-                    with torch.no_grad():
+                    with torch.no_grad(), dropout_key(key):
                         loss = F.cross_entropy(model(x), y, reduction="sum") / n
                 losses[c] += loss.detach()
             if plan.with_grad:
@@ -173,9 +188,11 @@ class SequentialBackend:
         for c, client in enumerate(clients):
             idx, lens = sched[c]
             draws = self.schedule.draws_of(plan, client, idx)
+            keys = self.schedule.keys_of(plan, client, len(lens))
             rows = {n: v[c : c + 1] for n, v in out.items()}  # views
             for s, (x, y) in enumerate(self.schedule.read(idx, lens, draws)):
-                new, a = step(rows, OneClient(self.module, x, y, s))
+                key = None if keys is None else keys[s]
+                new, a = step(rows, OneClient(self.module, x, y, s, key))
                 write_back(rows, new)
                 if a is not None:
                     if aux is None:

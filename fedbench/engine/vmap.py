@@ -28,6 +28,10 @@ Equal to the sequential backend, by construction:
   same length (one group except at an epoch's short last batch), each on its real samples.
 - Augmentation (`data.augment`) crops and flips as the `Schedule`'s draws say, keyed by
   (seed, round, client, salt) and the batch: the sequential backend's crops and flips.
+- Dropout (`fedbench.models.dropout.KeyedDropout`) drops as the `Schedule`'s keys say, one
+  per client and batch, stacked step-major [S, C] like the draws and mapped into the loss
+  (a 0-d key per client): its masks are a hash of (key, layer, element), the sequential
+  backend's masks.
 - `client_steps` (an algorithm's own step function, `plan.ClientStep`) walks the same
   stacked schedules step by step: at step s the clients that still have a batch (a prefix,
   longest first) take it together; their `MappedBatch.grad` is the mapped gradient of the
@@ -44,11 +48,11 @@ the next, so a chunk's size moves peak memory and nothing else (`memory.MemoryMo
 same estimate for training and for full gradients).
 
 Not covered (`blocker` says why; the engine routes these to the sequential backend, see
-`Engine.backend_for`): custom objectives (an arbitrary callable on the stateful module, not a
-function of the client's explicit state), dropout (its masks come from torch's global
-generator inside the forward, drawn in the order forwards run: one mapped forward draws
-other masks than C sequential ones) and BatchNorm without momentum (its cumulative average
-reads the step counter as a Python number, which a mapped counter cannot give).
+`Engine.backend_for`): torch's own dropout (`nn.Dropout` rather than `KeyedDropout`: its
+masks come from torch's global generator inside the forward, drawn in the order forwards
+run, so one mapped forward would draw other masks than C sequential ones) and BatchNorm
+without momentum (its cumulative average reads the step counter as a Python number, which a
+mapped counter cannot give).
 """
 
 from __future__ import annotations
@@ -78,12 +82,17 @@ from fedbench.engine.schedule import Schedule
 from fedbench.engine.spec import ModelSpec
 from fedbench.engine.store import OptimStates
 from fedbench.engine.terms import Term
+from fedbench.models.dropout import KeyedDropout, dropout_key, has_keyed_dropout
 
 
 def blocker(model: nn.Module, spec: ModelSpec) -> str | None:
     """Why `model` cannot go through the vmap backend and match sequential, if so."""
-    if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
-        return "the model has dropout (its masks come from torch's global generator)"
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and not isinstance(m, KeyedDropout):
+            return (
+                "the model has torch's dropout (its masks come from torch's global generator;"
+                " fedbench.models.KeyedDropout draws keyed masks)"
+            )
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is None:
             return "BatchNorm with momentum=None (a cumulative average over a global counter)"
@@ -122,6 +131,8 @@ class VmapBackend:
         # as per-client counters, their counts added to the module's (the sequential count)
         self.counters = [n for n, b in model.named_buffers() if not b.is_floating_point()]
         self.batch_stats = batch_statistics(model)
+        # keyed dropout: each mapped loss takes its client's batch key (else a None, unmapped)
+        self.key_dim = 0 if has_keyed_dropout(model) else None
         self._plain = None  # `_plain_grad`, built on first use
 
     def _buffers(self, states: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -173,9 +184,10 @@ class VmapBackend:
             chunk = [sched[c] for c in order[lo : lo + k]]
             mine = order[lo : lo + k]  # positions on the host: no device-to-host copy
             draws = [self.schedule.draws_of(plan, clients[c], sched[c][0]) for c in mine]
+            keys = [self.schedule.keys_of(plan, clients[c], len(sched[c][1])) for c in mine]
             losses[pos] = self._train_chunk(
                 W, bufs, ost, chunk, draws, optim, plan.lr, plan.terms, plan.mask, sam, pos,
-                plan.objective, frozen,
+                plan.objective, frozen, keys,
             )  # fmt: skip
             self.optim_states.keep(optim, plan.slot, ids, ost)
             out[pos, :P] = W
@@ -197,18 +209,21 @@ class VmapBackend:
         rows: torch.Tensor,
         objective: Objective | None = None,
         frozen: frozenset[str] = frozenset(),
+        keys: list[torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """All steps of one chunk of clients, ordered by step count (longest first); W [C, P],
         the buffers `bufs` and `ost` are updated in place. `draws`: each client's augmentation
         draws (or None); `rows`: the clients' positions in the train call, which a custom
         `objective` receives as its `c` (a 0-d tensor under vmap: it indexes with it);
-        `frozen`: the parameters that take no gradient (`ModelSpec.frozen`).
+        `frozen`: the parameters that take no gradient (`ModelSpec.frozen`); `keys`: each
+        client's dropout keys [S_c] (or None).
 
         Returns each client's mean loss over its own steps.
         """
         dev = self.device
         idx, wt, n_steps = stack_schedules(sched, dev)
         aug = stack_draws(draws, idx.shape, dev)
+        K = stack_keys(keys or [], idx.shape[0], dev)
         S, C, B = idx.shape
         training = [sum(n > s for n in n_steps) for s in range(S)]  # clients left at step s
         # real samples per step [S][C] (batch statistics or an objective, which takes the
@@ -223,7 +238,7 @@ class VmapBackend:
                 dims.append(0 if pc else None)
         grad = vmap(
             grad_and_value(self._loss(terms, objective, frozen)),
-            in_dims=(0, 0, 0, 0, 0, 0, *dims),
+            in_dims=(0, 0, 0, 0, 0, 0, self.key_dim, *dims),
         )
         scale, scale_dim = None, None
         if sam is not None:
@@ -233,19 +248,20 @@ class VmapBackend:
             perturbation = vmap(sam.perturbation, in_dims=(0, scale_dim))
         total = torch.zeros(C, device=dev)
 
-        def step(sel, n: int, x, y, ws) -> None:
+        def step(sel, n: int, x, y, ws, ks) -> None:
             """One step of the clients `sel` (a slice: views, updated in place; an index
             tensor: copies, written back) on the first n samples of their batches."""
             w, b = W[sel], {k: v[sel] for k, v in bufs.items()}
             st = {k: v[sel] for k, v in ost.items()}
             ts = [v[sel] if d == 0 else v for v, d in zip(tensors, dims)]
             x, y, ws, c = x[sel, :n], y[sel, :n], ws[sel, :n], rows[sel]
-            g, val = grad(w, b, x, y, ws, c, *ts)
+            key = None if ks is None else ks[sel]
+            g, val = grad(w, b, x, y, ws, c, key, *ts)
             if sam is not None:
                 e = perturbation(g, scale[sel] if scale_dim == 0 else scale)
                 if mask is not None:
                     e = e * mask
-                g, _ = grad(w + e, b, x, y, ws, c, *ts)
+                g, _ = grad(w + e, b, x, y, ws, c, key, *ts)
             total[sel] += val
             step_(optim, w, g, st, lr, mask=mask)
             if isinstance(sel, torch.Tensor):
@@ -260,7 +276,7 @@ class VmapBackend:
             x, y = self.schedule.batch(ix, None if aug is None else aug[s, :k].reshape(-1, 3))
             x, y = x.view(k, B, *x.shape[1:]), y.view(k, B)
             for sel, n in self._groups(lens[s][:k], B, exact):
-                step(sel, n, x, y, wt[s])
+                step(sel, n, x, y, wt[s], None if K is None else K[s])
         return total / torch.tensor(n_steps, device=dev).clamp(min=1)
 
     def _groups(
@@ -289,23 +305,25 @@ class VmapBackend:
         """One client's loss at w [P] with buffers `bufs` (updated in place by a training
         forward): weighted cross-entropy of its batch (or the custom `objective` on the
         batch, which holds no padding then: `exact` groups) plus the terms. `c`: the client's
-        position in the train call. `frozen` parameters enter detached: no gradient, and no
-        backward through them where nothing upstream trains."""
+        position in the train call; `key` its batch's dropout key (None without keyed
+        dropout). `frozen` parameters enter detached: no gradient, and no backward through
+        them where nothing upstream trains."""
         model, spec = self.model, self.spec
         sizes = [len(t.per_client) for t in terms]
         wrapped = None if objective is None else _Objective(model, objective)
 
-        def loss(w, bufs, x, y, wt, c, *tensors):
+        def loss(w, bufs, x, y, wt, c, key, *tensors):
             params = spec.param_views(w)
             if frozen:
                 params = {k: v.detach() if k in frozen else v for k, v in params.items()}
             views = {**params, **bufs}
-            if wrapped is None:
-                logits = functional_call(model, views, (x,))
-                val = (F.cross_entropy(logits, y, reduction="none") * wt).sum()
-            else:
-                views = {f"model.{k}": v for k, v in views.items()}
-                val = functional_call(wrapped, views, (x, y, c))
+            with dropout_key(key):
+                if wrapped is None:
+                    logits = functional_call(model, views, (x,))
+                    val = (F.cross_entropy(logits, y, reduction="none") * wt).sum()
+                else:
+                    views = {f"model.{k}": v for k, v in views.items()}
+                    val = functional_call(wrapped, views, (x, y, c))
             i = 0
             for t, k in zip(terms, sizes):
                 val = val + t.value(w, *tensors[i : i + k])
@@ -341,6 +359,8 @@ class VmapBackend:
             idx, wt, n_steps = stack_schedules(chunk, dev)
             draws = [self.schedule.draws_of(plan, clients[c], sched[c][0]) for c in mine]
             aug = stack_draws(draws, idx.shape, dev)
+            keys = [self.schedule.keys_of(plan, clients[c], len(sched[c][1])) for c in mine]
+            K = stack_keys(keys, idx.shape[0], dev)
             Sc, _, Bc = idx.shape
             training = [sum(n > s for n in n_steps) for s in range(Sc)]
             lens = step_lengths(chunk, Sc) if self.batch_stats else [[Bc] * len(mine)] * Sc
@@ -349,7 +369,8 @@ class VmapBackend:
                 x, y = self.schedule.batch(ix, None if aug is None else aug[s, :k].reshape(-1, 3))
                 x, y = x.view(k, Bc, *x.shape[1:]), y.view(k, Bc)
                 view = {n: v[:k] for n, v in st.items()}
-                new, a = step(view, MappedBatch(self, x, y, wt[s, :k], lens[s][:k], s))
+                ks = None if K is None else K[s, :k]
+                new, a = step(view, MappedBatch(self, x, y, wt[s, :k], lens[s][:k], s, ks))
                 write_back(view, new)
                 if a is not None:
                     if aux is None:
@@ -367,13 +388,13 @@ class VmapBackend:
 
     def _terms_grad(self, terms: Sequence[Term]):
         """The mapped (gradient, loss) of the cross-entropy plus `terms` (no objective):
-        fn(W, bufs, x, y, wt, *the terms' tensors), per-client tensors mapped with the
+        fn(W, bufs, x, y, wt, keys, *the terms' tensors), per-client tensors mapped with the
         clients, shared ones broadcast."""
         value = self._loss(terms)  # no objective: its client position c is unused
         dims = [0 if pc else None for t in terms for pc in t.per_client]
         return vmap(
-            grad_and_value(lambda w, b, x, y, wt, *ts: value(w, b, x, y, wt, None, *ts)),
-            in_dims=(0, 0, 0, 0, 0, *dims),
+            grad_and_value(lambda w, b, x, y, wt, key, *ts: value(w, b, x, y, wt, None, key, *ts)),
+            in_dims=(0, 0, 0, 0, 0, self.key_dim, *dims),
         )
 
     # ------------------------------------------------------------------ full gradients
@@ -394,11 +415,15 @@ class VmapBackend:
         wt = wt / sizes.clamp(min=1)[:, None].float()
         n_host = [int(p.numel()) for p in pools]
 
-        def loss(w, bufs, x, y, wc):
-            logits = functional_call(model, {**spec.param_views(w), **bufs}, (x,))
+        def loss(w, bufs, x, y, wc, key):
+            with dropout_key(key):
+                logits = functional_call(model, {**spec.param_views(w), **bufs}, (x,))
             return (F.cross_entropy(logits, y, reduction="none") * wc).sum()
 
-        fn = vmap(grad_and_value(loss)) if plan.with_grad else vmap(loss)
+        dims = (0, 0, 0, 0, 0, self.key_dim)
+        fn = vmap(grad_and_value(loss), in_dims=dims) if plan.with_grad else vmap(loss, dims)
+        n_blocks = -(-n_max // block)
+        K = stack_keys([self.schedule.full_keys(c, n_blocks) for c in plan.clients], n_blocks, dev)
         k = self.memory.chunk_size(C, self.memory.grad_bytes(block))
         losses = torch.zeros(C, device=dev)
         grads = torch.zeros(C, P, device=dev) if plan.with_grad else None
@@ -410,8 +435,9 @@ class VmapBackend:
             kc = W.shape[0]
             ls = losses[lo : lo + k]
             gs = None if grads is None else grads[lo : lo + k]
-            for s in range(0, n_max, block):
+            for j, s in enumerate(range(0, n_max, block)):
                 ib = idx[lo : lo + k, s : s + block]
+                kb = None if K is None else K[j, lo : lo + k]
                 b = ib.shape[1]
                 x, y = self.fed.batch(ib.reshape(-1), train=False)
                 x, y = x.view(kc, b, *x.shape[1:]), y.view(kc, b)
@@ -419,7 +445,8 @@ class VmapBackend:
                 lens = [min(max(n - s, 0), b) for n in n_host[lo : lo + k]]
                 for sel, n in self._groups(lens, b):
                     bs = {name: v[sel] for name, v in bufs.items()}
-                    args = (W[sel], bs, x[sel, :n], y[sel, :n], wb[sel, :n])
+                    ks = None if kb is None else kb[sel]
+                    args = (W[sel], bs, x[sel, :n], y[sel, :n], wb[sel, :n], ks)
                     if plan.with_grad:
                         g, v = fn(*args)
                         gs[sel] += g
@@ -436,11 +463,14 @@ class VmapBackend:
 
 class MappedBatch:
     """The step's batches of k clients (`StepBatch`): x [k, B, ...], y [k, B], sample
-    weights wt [k, B] (1/len, 0 on padding) and each batch's real length."""
+    weights wt [k, B] (1/len, 0 on padding), each batch's real length and dropout key [k]
+    (None without keyed dropout)."""
 
-    def __init__(self, backend: VmapBackend, x, y, wt, lens: list[int], index: int) -> None:
+    def __init__(
+        self, backend: VmapBackend, x, y, wt, lens: list[int], index: int, keys=None
+    ) -> None:
         self.backend, self.x, self.y, self.wt, self.lens = backend, x, y, wt, lens
-        self.index = index
+        self.index, self.keys = index, keys
 
     def grad(
         self,
@@ -460,7 +490,8 @@ class MappedBatch:
         groups = be._groups(self.lens, B)
         if len(groups) == 1 and isinstance(groups[0][0], slice):  # all k clients: no copies
             n = groups[0][1]
-            g, loss = fn(W, bufs, self.x[:, :n], self.y[:, :n], self.wt[:, :n], *tensors)
+            x, y, wt = self.x[:, :n], self.y[:, :n], self.wt[:, :n]
+            g, loss = fn(W, bufs, x, y, wt, self.keys, *tensors)
         else:
             g = states.new_zeros(k, P)
             loss = states.new_zeros(k)
@@ -468,7 +499,8 @@ class MappedBatch:
                 b = {name: v[sel] for name, v in bufs.items()}
                 x, y, wt = self.x[sel, :n], self.y[sel, :n], self.wt[sel, :n]
                 ts = [v[sel] if d == 0 else v for v, d in zip(tensors, dims)]
-                g[sel], loss[sel] = fn(W[sel], b, x, y, wt, *ts)
+                ks = None if self.keys is None else self.keys[sel]
+                g[sel], loss[sel] = fn(W[sel], b, x, y, wt, ks, *ts)
                 if isinstance(sel, torch.Tensor):
                     for name, v in b.items():
                         bufs[name][sel] = v
@@ -502,6 +534,19 @@ def stack_draws(
     out = torch.zeros(S, C, B, 3, dtype=torch.long, device=device)
     for c, d in enumerate(draws):
         out[: d.shape[0], c, : d.shape[1]] = d
+    return out
+
+
+def stack_keys(
+    keys: list[torch.Tensor | None], steps: int, device: torch.device
+) -> torch.Tensor | None:
+    """Per-client dropout keys [S_c] -> step-major [S, C] (padding 0), as `stack_schedules`
+    stacks their batches; None without keyed dropout."""
+    if not keys or keys[0] is None:
+        return None
+    out = torch.zeros(steps, len(keys), dtype=torch.long, device=device)
+    for c, k in enumerate(keys):
+        out[: k.shape[0], c] = k
     return out
 
 

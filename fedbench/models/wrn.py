@@ -16,6 +16,7 @@ from torch import nn
 
 from fedbench.errors import ConfigError
 from fedbench.models.base import FedModel, check_choice, image_shape, make_conv, make_norm
+from fedbench.models.dropout import KeyedDropout
 from fedbench.models.registry import MODELS
 
 
@@ -27,8 +28,8 @@ class PreActBlock(nn.Module):
         self.norm1 = make_norm(norm, cin, gn_groups)
         self.conv1 = make_conv(cin, cout, 3, stride, 1, norm)
         self.norm2 = make_norm(norm, cout, gn_groups)
-        # no Dropout module at p=0: vmap refuses random ops under its default randomness
-        self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        # keyed masks (the same on both backends); no module at p=0 (nothing to draw)
+        self.drop = KeyedDropout(dropout) if dropout > 0 else nn.Identity()
         self.conv2 = make_conv(cout, cout, 3, 1, 1, norm)
         # projection on the pre-activated input when the shape changes (as the original code)
         self.shortcut = (
