@@ -211,9 +211,11 @@ class PFedHN(Algorithm):
         return g.div_(len(clients))
 
     def hypernet_step(self, g: torch.Tensor) -> None:
+        """phi's optimizer step with g [H], clipped; g is consumed (the step's temporaries
+        go into it: no fresh [H] vectors, `optim.step_`)."""
         clip_(g, self.hp.hypernet.clip)
         st = {"buf": self.phi_buf} if self.hn_optim.momentum else {}
-        step_(self.hn_optim, self.phi, g, st, self.hn_lr)
+        step_(self.hn_optim, self.phi, g, st, self.hn_lr, consume_grad=True)  # g: ours
 
     # ------------------------------------------------------------------ clients
     def state_of(self, i: int, theta: torch.Tensor) -> torch.Tensor:
