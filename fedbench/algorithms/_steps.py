@@ -11,10 +11,12 @@ function over all sampled clients at once where vmap can (every loop above is th
 `batch.grad(rows, at=, terms=)` gives SAM's second gradient and loss terms). `Engine.grad_at`
 remains for one-client work outside a training loop (FedSpa's prune-and-grow gradient).
 
-Optimizer state: `engine.optim_states.get(cfg, slot, client, w)` before a client's steps and
-`engine.optim_states.keep(cfg, slot, client, state)` after them, the store `Engine.train`
-uses (fresh every round, or kept across rounds with `optim.persist_state`, per slot and
-client; checkpointed with the engine, so an algorithm lists nothing for it in `state_keys`).
+Optimizer state: a row a step function moves with an optimizer is declared to
+`Engine.client_steps(..., optimized={name: Optimized(optim, lr, slot)})` and stepped with
+`batch.step(name, g)`; the engine loads, carries and keeps its state in the store
+`Engine.train` uses (fresh every round, or kept across rounds with `optim.persist_state`,
+per slot and client; checkpointed with the engine, so an algorithm lists nothing for it in
+`state_keys`), on either backend (`fedbench/engine/optimized.py`).
 
 A state is a flat row [D] (parameters, then float buffers, `engine.spec`). `Engine.grad_at`
 writes buffers updated by the forward (BatchNorm running statistics) back into the state, so

@@ -54,8 +54,7 @@ import torch
 from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import fraction, nonneg
-from fedbench.engine import ClientStep, StepBatch
-from fedbench.engine.optim import step_
+from fedbench.engine import ClientStep, Optimized, StepBatch
 
 
 @dataclass
@@ -98,7 +97,7 @@ class APPLE(Algorithm):
         self.theta = self.cores.clone()  # personalized mixtures w_i, with the client's buffers
         self.L = int(self.hp.l_frac * self.run.rounds)
 
-    def step(self, t: int, cores: torch.Tensor, ost_keys: tuple[str, ...]) -> ClientStep:
+    def step(self, t: int, cores: torch.Tensor) -> ClientStep:
         """One batch of the clients' loops in round t (`Engine.client_steps`) on the cores
         `cores` [N, D] they downloaded (shared, read-only): the gradient g at each client's
         mixture w_i (the `theta` rows, buffers updated in place), then the core step on
@@ -111,7 +110,7 @@ class APPLE(Algorithm):
         the same sums without k copies of the cores: (p_i with p_ii = 0) @ cores + p_ii c_i,
         and cores @ g with entry i replaced by <c_i, g>."""
         P = self.engine.n_params
-        lr, eta_p = self.optim.lr_at(t), self.hp.eta_p * self.optim.lr_decay**t
+        eta_p = self.hp.eta_p * self.optim.lr_decay**t
         reg2 = 2 * (reg_schedule(t, self.L, self.hp.schedule) * self.hp.mu)
         shared = cores[:, :P]  # [N, P] the downloaded cores
         # k = 1: one copy of the cores (made at the first such step), the stepping client's
@@ -143,9 +142,8 @@ class APPLE(Algorithm):
                 grad_p = g @ shared.T
                 grad_p[ar, ids] = (core * g).sum(1)  # <c_i, g>
             grad_p = grad_p + reg2 * (p - self.p0)  # at the same point as g
-            ost = {key: st["ost." + key] for key in ost_keys}
+            batch.step("core", p[ar, ids, None] * g)  # the run's optimizer on the core rows
             with torch.no_grad():
-                step_(self.optim, core, p[ar, ids, None] * g, ost, lr)
                 p -= eta_p * grad_p
             if k == 1:
                 own.index_copy_(0, ids, core)
@@ -161,24 +159,22 @@ class APPLE(Algorithm):
         downloaded = self.cores.clone()  # every sampled client gets the cores of round t-1
         idx = torch.as_tensor(clients, device=self.device)
         core = downloaded[idx, :P]  # the rows each client trains
-        ost = eng.optim_states.get(self.optim, "core", idx, core)
         res = eng.client_steps(
             {
                 "core": core,
                 "p": self.p[idx],
                 "theta": self.theta[idx],  # its [P:]: the client's running statistics
                 "id": idx,
-                **{"ost." + k: v for k, v in ost.items()},
             },
             [int(i) for i in clients],
-            self.step(t, downloaded, tuple(ost)),
+            self.step(t, downloaded),
             batch_size=self.run.batch_size,
             epochs=self.run.local_epochs,
             round=t,
             batched_on_cpu=True,  # one product over the shared cores serves all k clients
+            optimized={"core": Optimized(self.optim, self.optim.lr_at(t), slot="core")},
         )
         st = res.states
-        eng.optim_states.keep(self.optim, "core", idx, {k: st["ost." + k] for k in ost})
         for c, n in enumerate(res.steps):
             if n == 0:  # no batch: the mixture of the downloaded cores
                 st["theta"][c, :P] = st["p"][c] @ downloaded[:, :P]

@@ -27,8 +27,7 @@ import torch
 from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, TrainedOrGlobal
 from fedbench.algorithms.params import Weighting, hp, nonneg
-from fedbench.engine import ClientStep, Proximal, StepBatch
-from fedbench.engine.optim import step_
+from fedbench.engine import ClientStep, Optimized, Proximal, StepBatch
 from fedbench.errors import ConfigError
 
 
@@ -67,19 +66,18 @@ class Ditto(TrainedOrGlobal, Algorithm):
         self.w = self.engine.initial_state()
         self.init_rows()
 
-    def interleaved_step(self, t: int, ost_keys: tuple[str, ...]) -> ClientStep:
+    def interleaved_step(self, t: int) -> ClientStep:
         """One batch of the authors' loop in round t (`Engine.client_steps`): one step of the
         run's optimizer on theta_i's F_b(theta) + (lambda / 2) ||theta - w^t||^2 (eq. 2),
         then one on w_i's F_b. Aux: the global copy's losses [k]."""
-        P, lr = self.engine.n_params, self.optim.lr_at(t)
         prox = Proximal(self.w, self.lam)  # shared by all clients: w^t
 
         def step(st: dict[str, torch.Tensor], batch: StepBatch):
             theta, w = st["theta"], st["w"]
             _, g = batch.grad(theta, terms=[prox])
-            step_(self.optim, theta[:, :P], g, {k: st["p." + k] for k in ost_keys}, lr)
+            batch.step("theta", g)
             loss, g = batch.grad(w)
-            step_(self.optim, w[:, :P], g, {k: st["g." + k] for k in ost_keys}, lr)
+            batch.step("w", g)
             return st, loss
 
         return step
@@ -87,28 +85,21 @@ class Ditto(TrainedOrGlobal, Algorithm):
     def interleaved(self, clients: list[int], t: int) -> tuple[torch.Tensor, ...]:
         """The authors' loop for the clients, all at once where the engine can:
         (theta_i [C, D], w_i [C, D], mean global loss of each [C])."""
-        eng, P = self.engine, self.engine.n_params
         ids = torch.as_tensor(clients, device=self.device)
-        theta, w = self.theta[ids], self.w.repeat(len(clients), 1)
-        st_p = eng.optim_states.get(self.optim, "personal", ids, theta[:, :P])
-        st_g = eng.optim_states.get(self.optim, "main", ids, w[:, :P])
-        states = {
-            "theta": theta,
-            "w": w,
-            **{"p." + k: v for k, v in st_p.items()},
-            **{"g." + k: v for k, v in st_g.items()},
-        }
-        res = eng.client_steps(
-            states,
+        lr = self.optim.lr_at(t)
+        res = self.engine.client_steps(
+            {"theta": self.theta[ids], "w": self.w.repeat(len(clients), 1)},
             clients,
-            self.interleaved_step(t, tuple(st_p)),
+            self.interleaved_step(t),
             batch_size=self.run.batch_size,
             epochs=self.run.local_epochs,
             round=t,
+            optimized={
+                "theta": Optimized(self.optim, lr, slot="personal"),
+                "w": Optimized(self.optim, lr, slot="main"),
+            },
         )
         out = res.states
-        eng.optim_states.keep(self.optim, "personal", ids, {k: out["p." + k] for k in st_p})
-        eng.optim_states.keep(self.optim, "main", ids, {k: out["g." + k] for k in st_g})
         return out["theta"], out["w"], res.client_mean()
 
     def round(self, t: int, clients: np.ndarray) -> RoundReport:

@@ -34,8 +34,7 @@ import torch
 from fedbench.algorithms._about import About
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import Weighting, nonneg, positive
-from fedbench.engine import ClientStep, StepBatch
-from fedbench.engine.optim import step_
+from fedbench.engine import ClientStep, Optimized, StepBatch
 
 
 @dataclass
@@ -69,15 +68,14 @@ class PerFedAvg(Algorithm):
         self.w = self.engine.initial_state()
         self.theta = self.w.repeat(self.N, 1)  # personalized (one-step adapted) models
 
-    def meta_step(self, t: int, ost_keys: tuple[str, ...]) -> ClientStep:
+    def meta_step(self, t: int) -> ClientStep:
         """One batch of the clients' first-order MAML loops in round t (`Engine.client_steps`).
 
         Even steps (D): theta' = theta - alpha grad L_D(theta), in the `inner` rows (a copy of
         theta, so an unpaired last batch leaves theta as it is). Odd steps (D'): the outer
-        step of the run's optimizer at lr beta with grad L_D'(theta'); theta's buffers as the
+        step of the run's optimizer (`outer`) with grad L_D'(theta'); theta's buffers as the
         two forwards left them. Aux: the outer losses [k] (zeros at even steps)."""
-        P = self.engine.n_params
-        alpha, beta = self.hp.alpha, self.hp.beta * self.optim.lr_decay**t
+        P, alpha = self.engine.n_params, self.hp.alpha
 
         def step(st: dict[str, torch.Tensor], batch: StepBatch):
             theta, inner = st["theta"], st["inner"]
@@ -88,9 +86,7 @@ class PerFedAvg(Algorithm):
                 return st, torch.zeros(theta.shape[0], device=theta.device)
             loss, g = batch.grad(inner)
             theta[:, P:] = inner[:, P:]  # buffers as the two forwards left them
-            ost = {k: st["ost." + k] for k in ost_keys}
-            with torch.no_grad():
-                step_(self.optim, theta[:, :P], g, ost, beta)
+            batch.step("theta", g)
             return st, loss
 
         return step
@@ -98,20 +94,17 @@ class PerFedAvg(Algorithm):
     def meta_train(self, clients: list[int], t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The clients' first-order MAML steps from w; (their new states [C, D], mean outer
         loss of each [C]), all clients at once where the engine can (`Engine.client_steps`)."""
-        eng, P = self.engine, self.engine.n_params
         start = self.w.repeat(len(clients), 1)
-        ids = torch.as_tensor(clients, device=self.device)
-        ost = eng.optim_states.get(self.optim, "outer", ids, start[:, :P])
-        states = {"theta": start, "inner": start, **{"ost." + k: v for k, v in ost.items()}}
-        res = eng.client_steps(
-            states,
+        beta = self.hp.beta * self.optim.lr_decay**t
+        res = self.engine.client_steps(
+            {"theta": start, "inner": start},
             clients,
-            self.meta_step(t, tuple(ost)),
+            self.meta_step(t),
             batch_size=self.run.batch_size,
             epochs=self.run.local_epochs,
             round=t,
+            optimized={"theta": Optimized(self.optim, beta, slot="outer")},
         )
-        eng.optim_states.keep(self.optim, "outer", ids, {k: res.states["ost." + k] for k in ost})
         losses = torch.zeros(len(clients), device=self.device)
         for c, n in enumerate(res.steps):
             if n >= 2:  # the outer losses of its (D, D') pairs, in order

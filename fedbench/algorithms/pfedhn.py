@@ -51,8 +51,8 @@ from fedbench.algorithms._about import About
 from fedbench.algorithms._steps import clip_
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import hp, nonneg, positive
-from fedbench.engine import ClientStep, ModelSpec, OptimConfig, StepBatch
-from fedbench.engine.optim import init_state, step_
+from fedbench.engine import ClientStep, ModelSpec, OptimConfig, Optimized, StepBatch
+from fedbench.engine.optim import step_
 from fedbench.errors import ConfigError
 from fedbench.models.hypernet import GENERATE, HyperNetwork, hypernet_size, select_targets
 
@@ -211,9 +211,11 @@ class PFedHN(Algorithm):
         return g.div_(len(clients))
 
     def hypernet_step(self, g: torch.Tensor) -> None:
+        """phi's optimizer step with g [H], clipped; g is consumed (the step's temporaries
+        go into it: no fresh [H] vectors, `optim.step_`)."""
         clip_(g, self.hp.hypernet.clip)
         st = {"buf": self.phi_buf} if self.hn_optim.momentum else {}
-        step_(self.hn_optim, self.phi, g, st, self.hn_lr)
+        step_(self.hn_optim, self.phi, g, st, self.hn_lr, consume_grad=True)  # g: ours
 
     # ------------------------------------------------------------------ clients
     def state_of(self, i: int, theta: torch.Tensor) -> torch.Tensor:
@@ -228,18 +230,16 @@ class PFedHN(Algorithm):
         s[:, self.personal_entries] = self.heads[torch.tensor(clients, device=self.device)]
         return s
 
-    def inner_step(self, keys: tuple[str, ...]) -> ClientStep:
+    def inner_step(self) -> ClientStep:
         """One inner step of the visited clients (`Engine.client_steps`): the gradient at
-        their states `s` [k, D], clipped per client, then the inner SGD step (its momentum
-        in the `ost.*` rows). Aux: the step's losses [k]."""
-        P, opt, max_norm = self.engine.n_params, self.inner_optim, self.hp.inner_clip
+        their states `s` [k, D], clipped per client, then the inner SGD step (`s` is an
+        optimized row: the engine carries its momentum). Aux: the step's losses [k]."""
+        max_norm = self.hp.inner_clip
 
         def step(st: dict[str, torch.Tensor], batch: StepBatch):
-            s = st["s"]
-            loss, g = batch.grad(s)  # updates the rows' running statistics
+            loss, g = batch.grad(st["s"])  # updates the rows' running statistics
             clip_(g, max_norm)
-            with torch.no_grad():
-                step_(opt, s[:, :P], g, {k: st["ost." + k] for k in keys}, opt.lr)
+            batch.step("s", g)
             return st, loss
 
         return step
@@ -248,17 +248,16 @@ class PFedHN(Algorithm):
         """Inner training of `clients` from their states s0 [C, D] (h(v_i; phi) with the
         shared entries and heads), all at once where the engine can: (the final states as
         the server receives them [C, D], Delta_i [C, G], each client's mean loss [C])."""
-        P = self.engine.n_params
-        ost = init_state(self.inner_optim, s0[:, :P])  # fresh every visit, as the authors'
-        epochs = self.hp.inner_epochs
+        P, opt, epochs = self.engine.n_params, self.inner_optim, self.hp.inner_epochs
         res = self.engine.client_steps(
-            {"s": s0, **{"ost." + k: v for k, v in ost.items()}},
+            {"s": s0},
             clients,
-            self.inner_step(tuple(ost)),
+            self.inner_step(),
             batch_size=self.run.batch_size,
             epochs=epochs,
             steps=None if epochs else self.hp.inner_steps,
             round=t,
+            optimized={"s": Optimized(opt, opt.lr)},  # no slot: fresh every visit, as the authors'
         )
         s = res.states["s"]
         self.heads[torch.tensor(clients, device=self.device)] = s[:, self.personal_entries]

@@ -257,7 +257,7 @@ class PFedLA(Algorithm):
             selfw.append(w[:, int(i)].mean())
         psi = self.psi[idx]
         st = {"buf": self.psi_buf[idx]} if self.hp.hn_momentum else {}
-        step_(self.hn_optim, psi, torch.stack(grads), st, self.hp.hn_lr)
+        step_(self.hn_optim, psi, torch.stack(grads), st, self.hp.hn_lr, consume_grad=True)
         self.psi[idx] = psi
         if st:
             self.psi_buf[idx] = st["buf"]

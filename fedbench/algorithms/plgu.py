@@ -65,7 +65,7 @@ from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, Trained
 from fedbench.algorithms.fedrep import FedRep
 from fedbench.algorithms.params import Weighting, hp, nonneg
 from fedbench.algorithms.pfedhn import PFedHN, PFedHNParams
-from fedbench.engine import SAM, ClientStep, StepBatch, TrainResult
+from fedbench.engine import SAM, ClientStep, Optimized, StepBatch, TrainResult
 from fedbench.engine.lwsam import (
     LayerMap,
     layer_scores,
@@ -159,45 +159,43 @@ class PLGULF(TrainedOrGlobal, Algorithm):
         scale = lwsam_scale(normalize_scores(xi, self.rule), self.layers, keep)
         return {"theta": theta, "w": w, "scale": scale}
 
-    def step(self, t: int, ost_keys: tuple[str, ...]) -> ClientStep:
+    def step(self, t: int) -> ClientStep:
         """One batch of Algorithm 1 in round t (`Engine.client_steps`): (a) g = grad
         F_b(theta_i), theta_i <- theta_i - eta g; (b) eps = LWSAM(g, xi); (c) w_i <- w_i -
         eta grad F_b(w_i + eps). Aux: the personal losses [k]."""
-        P, lr, sam = self.engine.n_params, self.optim.lr_at(t), SAM(self.hp.rho)
+        sam = SAM(self.hp.rho)
         universal = self.hp.ascent_grad == "universal"
 
         def step(st: dict[str, torch.Tensor], batch: StepBatch):
             theta, w, scale = st["theta"], st["w"], st["scale"]
             loss, g = batch.grad(theta)  # (a) g = grad F_b(theta_i)
             eps = sam.perturbation(g, scale)  # (b) eps from the same g
-            step_(self.optim, theta[:, :P], g, {k: st["p." + k] for k in ost_keys}, lr)  # (a)
+            batch.step("theta", g)  # (a)
             if universal:  # (b) instead: the ascent gradient at w_i (SAM)
                 eps = sam.perturbation(batch.grad(w)[1], scale)
             _, g = batch.grad(w, at=eps)  # (c) g~ = grad F_b(w_i + eps)
-            step_(self.optim, w[:, :P], g, {k: st["u." + k] for k in ost_keys}, lr)
+            batch.step("w", g)
             return st, loss
 
         return step
 
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
-        eng, P, ids = self.engine, self.engine.n_params, [int(i) for i in clients]
+        ids = [int(i) for i in clients]
         idx = torch.as_tensor(clients, device=self.device)
-        states = self.start(ids)
-        st_p = eng.optim_states.get(self.optim, "personal", idx, states["theta"][:, :P])
-        st_u = eng.optim_states.get(self.optim, "universal", idx, states["w"][:, :P])
-        states.update({"p." + k: v for k, v in st_p.items()})
-        states.update({"u." + k: v for k, v in st_u.items()})
-        res = eng.client_steps(
-            states,
+        lr = self.optim.lr_at(t)
+        res = self.engine.client_steps(
+            self.start(ids),
             ids,
-            self.step(t, tuple(st_p)),
+            self.step(t),
             batch_size=self.run.batch_size,
             epochs=self.run.local_epochs,
             round=t,
+            optimized={
+                "theta": Optimized(self.optim, lr, slot="personal"),
+                "w": Optimized(self.optim, lr, slot="universal"),
+            },
         )
         out = res.states
-        eng.optim_states.keep(self.optim, "personal", idx, {k: out["p." + k] for k in st_p})
-        eng.optim_states.keep(self.optim, "universal", idx, {k: out["u." + k] for k in st_u})
         self.set_trained(idx, out["theta"])
         delta = self.receive(out["w"], clients, ref=self.w) - self.w  # Alg. 2 line 10
         self.w = self.w + self.weights(clients, self.hp.weighting) @ delta  # line 11

@@ -16,6 +16,8 @@ One engine interface, two equal backends:
                   flat vectors (sequential training, evaluation, hand-written steps).
 - `schedule.py`   `Schedule`: a client's batches, from (seed, round, client, salt) only.
 - `store.py`      `OptimStates`: optimizer state kept across rounds, per slot and client.
+- `optimized.py`  `Optimized`: rows a step function moves with an optimizer (`batch.step`),
+                  their optimizer state loaded, carried and kept by the engine.
 - `rows.py`       `ClientRows`: one row per client off the device (host memory or a
                   memory-mapped file), a round's rows moved; incremental checkpoint shards.
 - `memory.py`     `MemoryModel`: bytes per client and chunk sizes of the vmap backend.
@@ -28,6 +30,7 @@ need when the engine builds them and import neither the engine nor each other.
 
 from fedbench.engine.core import Engine
 from fedbench.engine.optim import OptimConfig
+from fedbench.engine.optimized import Optimized
 from fedbench.engine.plan import (
     SAM,
     ClientStep,
@@ -53,6 +56,7 @@ __all__ = [
     "Linear",
     "ModelSpec",
     "OptimConfig",
+    "Optimized",
     "Proximal",
     "RowsPolicy",
     "StepBatch",

@@ -16,7 +16,7 @@ front: it builds one `TrainPlan` from the call's keywords (`plan.py`), picks a b
 The engine owns the pieces both get when they are built: the model and its `ModelSpec`,
 the `Schedule` (batches and their augmentation depend only on (seed, round, client, salt),
 so any backend reproduces the same numbers), the `OptimStates` store (optimizer state kept
-across rounds, also used by the hand-written loops of `fedbench/algorithms/_steps.py`,
+across rounds, also of the rows a step function declares optimized, `optimized.py`,
 checkpointed through `state_dict`) and the `MemoryModel` (vmap's chunk sizes). It also
 evaluates (`correct`, `logits`) and serves hand-written loops (`batches`, `load`,
 `grad_at_loaded`, `grad`) on the sequential backend's module. Nothing in
@@ -26,7 +26,7 @@ evaluates (`correct`, `logits`) and serves hand-written loops (`batches`, `load`
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from torch.func import functional_call
 from fedbench.engine.flat import FlatModule
 from fedbench.engine.memory import MemoryModel
 from fedbench.engine.optim import OptimConfig
+from fedbench.engine.optimized import Optimized, OptimizedRows
 from fedbench.engine.plan import (
     SAM,
     Backend,
@@ -67,6 +68,7 @@ __all__ = [
     "Engine",
     "GradResult",
     "Objective",
+    "Optimized",
     "StepsResult",
     "TrainResult",
 ]
@@ -391,6 +393,7 @@ class Engine:
         round: int = 0,
         salt: int = 0,
         batched_on_cpu: bool = False,
+        optimized: Mapping[str, Optimized] | None = None,
     ) -> StepsResult:
         """Run `step(state, batch) -> (state, aux)` over each client's batches (`batches`'
         schedule for the same arguments: the same batches and crops), from row c of every
@@ -403,6 +406,11 @@ class Engine:
         Sequential: client after client with k = 1 (`FlatModule.grad_at`, a hand-written
         loop's numbers); vmap: at step s, every client that has an s-th batch at once.
         `batched_on_cpu`: vmap is the CPU's choice too (`backend_for`).
+
+        `optimized` ({row name: `Optimized(optim, lr, slot)`}): rows the step moves with an
+        optimizer, `batch.step(name, g)`; the engine loads their optimizer state (from the
+        store under `slot`, or fresh), carries it through the steps on either backend and
+        keeps it afterwards (`optimized.py`).
         """
         plan = StepPlan(
             tuple(int(c) for c in clients),
@@ -415,8 +423,12 @@ class Engine:
         backend = self.backend_for(
             len(plan.clients), client_steps=True, batched_on_cpu=batched_on_cpu
         )
+        rows = OptimizedRows(
+            optimized or {}, self.optim_states, plan.clients, self.n_params, self.device
+        )
         with torch.enable_grad():
-            return self.backends[backend].client_steps(plan, states, step)
+            res = self.backends[backend].client_steps(plan, rows.load(states), rows.step(step))
+        return rows.keep(res)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()

@@ -58,6 +58,8 @@ def step_(
     lr: float | torch.Tensor,
     active: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
+    *,
+    consume_grad: bool = False,
 ) -> None:
     """In-place update of `w` with gradient `g`.
 
@@ -69,25 +71,49 @@ def step_(
 
     `active` ([C, 1] of 0/1, for stacked clients) freezes rows whose client has no step left:
     their parameters and optimizer state stay exactly as they are.
+
+    In place: `w` and the state are updated where they are, and the step's intermediate
+    vectors are written into as few fresh tensors as its arithmetic needs (none for SGD with
+    or without momentum and a number as lr; Adam's direction takes two), each operation the
+    one the out-of-place form ran, in the same order (the same bits). `consume_grad`: `g`
+    is the caller's to overwrite (a fresh gradient it reads no more): it holds the
+    temporaries (weight decay, Nesterov, a tensor lr, Adam's denominator) instead.
     """
     keep = active
     if mask is not None:
         keep = mask if keep is None else keep * mask
+    # a tensor shaped like w the step may overwrite: g if given up, else its first temporary
+    own = g if consume_grad and g.shape == w.shape else None
     if cfg.weight_decay:
-        g = g.add(w, alpha=cfg.weight_decay)
+        g = (
+            g.add_(w, alpha=cfg.weight_decay)
+            if own is not None
+            else g.add(w, alpha=cfg.weight_decay)
+        )
+        own = g if g.shape == w.shape else None
     if cfg.name == "sgd":
         if cfg.momentum:
             buf = state["buf"]
-            new_buf = buf.mul(cfg.momentum).add_(g)
-            if keep is not None:
-                new_buf = torch.where(keep.bool(), new_buf, buf)
-            buf.copy_(new_buf)
-            d = g.add(buf, alpha=cfg.momentum) if cfg.nesterov else buf
+            if keep is None:
+                buf.mul_(cfg.momentum).add_(g)
+            else:
+                new_buf = buf.mul(cfg.momentum).add_(g)
+                buf.copy_(torch.where(keep.bool(), new_buf, buf))
+            if cfg.nesterov:
+                d = (
+                    g.add_(buf, alpha=cfg.momentum)
+                    if own is not None
+                    else g.add(buf, alpha=cfg.momentum)
+                )
+                own = d if d.shape == w.shape else None
+            else:
+                d = buf
         else:
             d = g
         if keep is not None:
-            d = d * keep
-        _descend(w, d, lr)
+            d = d.mul_(keep) if d is own else d * keep
+            own = d if d.shape == w.shape else None
+        _descend(w, d, lr, own)
         return
     b1, b2 = cfg.betas
     m, v, step = state["m"], state["v"], state["step"]
@@ -103,15 +129,24 @@ def step_(
     s = step.clamp(min=1)
     bc1 = 1 - b1**s
     bc2 = 1 - b2**s
-    d = (m / bc1) / ((v / bc2).sqrt() + cfg.eps)
+    # d = (m / bc1) / ((v / bc2).sqrt() + eps), in two tensors (g, no more read, is one if own)
+    den = torch.div(v, bc2) if own is None else torch.div(v, bc2, out=own)
+    den.sqrt_().add_(cfg.eps)
+    d = torch.div(m, bc1).div_(den)
     if keep is not None:
-        d = d * keep
-    _descend(w, d, lr)
+        d.mul_(keep)
+    _descend(w, d, lr, d)
 
 
-def _descend(w: torch.Tensor, d: torch.Tensor, lr: float | torch.Tensor) -> None:
-    """w -= lr * d; one pass and no temporary when lr is a number (as torch.optim)."""
-    if isinstance(lr, torch.Tensor):
-        w.sub_(d * lr)
-    else:
+def _descend(
+    w: torch.Tensor, d: torch.Tensor, lr: float | torch.Tensor, own: torch.Tensor | None
+) -> None:
+    """w -= lr * d; one pass and no temporary when lr is a number (as torch.optim), d * lr
+    written into `own` (a tensor of the step's that it may overwrite, d itself included)
+    when lr is a tensor."""
+    if not isinstance(lr, torch.Tensor):
         w.add_(d, alpha=-lr)
+    elif own is not None and torch.broadcast_shapes(d.shape, lr.shape) == own.shape:
+        w.sub_(torch.mul(d, lr, out=own))
+    else:
+        w.sub_(d * lr)

@@ -182,6 +182,12 @@ class StepBatch(Protocol):
         tensors rows [k, ...] in the order of `states`, shared ones as they are."""
         ...
 
+    def step(self, name: str, g: torch.Tensor, *, mask: torch.Tensor | None = None) -> None:
+        """The optimizer step on the rows `name` (their parameters, in place) with gradient
+        g [k, P], for a row the call declared (`Engine.client_steps(optimized=...)`; the
+        engine provides it and carries the optimizer's state, `optimized.py`)."""
+        ...
+
 
 # One step of a client's loop: step(state, batch) -> (state, aux). `state` maps names to rows
 # [k, ...] of the k clients taking this step (update them in place, or return new tensors

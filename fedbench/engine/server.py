@@ -50,6 +50,6 @@ def fit_on_server(
                     if optim is None:
                         p.sub_(lr * g)
                     else:
-                        step_(optim, p.view(-1), g.reshape(-1), states[k], lr)
+                        step_(optim, p.view(-1), g.reshape(-1), states[k], lr, consume_grad=True)
             total, steps = total + value.detach(), steps + 1
     return {k: v.detach() for k, v in cur.items()}, total / max(steps, 1)

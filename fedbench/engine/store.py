@@ -1,10 +1,10 @@
 """The optimizer state kept across rounds (`optim.persist_state`): one store per engine.
 
 Rows of momentum / Adam moments per (slot, client), read before a client's local steps and
-written back after them, by both backends (`Engine.train`, `slot=`) and by the hand-written
-loops of `fedbench/algorithms/_steps.py` (`engine.optim_states.get/keep`, e.g. Ditto's
-"personal" and "main", APPLE's "core"). A slot names one model a client trains (a client
-training two models in a round keeps two states). Without `persist_state` every call starts
+written back after them, by both backends (`Engine.train`, `slot=`) and by
+`Engine.client_steps` for the rows a step function declares optimized (`optimized.py`, e.g.
+Ditto's "personal" and "main", APPLE's "core"). A slot names one model a client trains (a
+client training two models in a round keeps two states). Without `persist_state` every call starts
 from a fresh (zero) state and nothing is kept. Checkpointed through `Engine.state_dict`.
 The rows live off the device (`ClientRows`, `engine.rows`): a round moves its clients' rows.
 """

@@ -263,7 +263,7 @@ class VmapBackend:
                     e = e * mask
                 g, _ = grad(w + e, b, x, y, ws, c, key, *ts)
             total[sel] += val
-            step_(optim, w, g, st, lr, mask=mask)
+            step_(optim, w, g, st, lr, mask=mask, consume_grad=True)  # g: this step's own
             if isinstance(sel, torch.Tensor):
                 W[sel] = w
                 for k, v in b.items():
