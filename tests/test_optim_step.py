@@ -21,7 +21,7 @@ from torch import nn
 
 from conftest import TinyFed
 from fedbench.engine import Engine, OptimConfig, Optimized
-from fedbench.engine.optim import init_state, step_
+from fedbench.engine.optim import Ranges, init_state, step_, trained_ranges
 
 pytestmark = pytest.mark.quick
 
@@ -83,7 +83,9 @@ ALL_CASES = [dict(name="sgd", **kw) for kw in SGD_CASES] + [
 
 
 @pytest.mark.parametrize("consume", [False, True], ids=["keep_grad", "consume_grad"])
-@pytest.mark.parametrize("form", ["plain", "mask", "active", "mask_active", "lr_tensor"])
+@pytest.mark.parametrize(
+    "form", ["plain", "mask", "active", "mask_active", "lr_tensor", "ranges", "ranges_active_lr"]
+)
 @pytest.mark.parametrize("kw", ALL_CASES, ids=lambda kw: ",".join(f"{k}" for k in kw))
 def test_in_place_step_is_the_out_of_place_step_to_the_bit(kw, form, consume):
     """Every optimizer setting, with frozen entries, inactive rows and a per-entry lr: the
@@ -93,8 +95,16 @@ def test_in_place_step_is_the_out_of_place_step_to_the_bit(kw, form, consume):
     cfg = OptimConfig(lr=0.05, **kw)
     w0 = torch.randn(C, P, generator=gen)
     mask = (torch.rand(P, generator=gen) > 0.3).float() if "mask" in form else None
+    given_mask = mask
+    if "ranges" in form:  # whole frozen blocks (a frozen tensor's entries): stepped as ranges
+        mask = torch.ones(P)
+        mask[10:40] = 0
+        mask[100:110] = 0
+        given_mask = trained_ranges(mask)
+        assert isinstance(given_mask, Ranges) and given_mask.mask is mask
+        assert given_mask.ranges == ((0, 10), (40, 100), (110, P))
     lr = 0.05
-    if form == "lr_tensor":
+    if form in ("lr_tensor", "ranges_active_lr"):
         lr = torch.where(torch.arange(P) < 20, 0.01, 0.05)
     w, st = w0.clone(), init_state(cfg, w0)
     w_ref, st_ref = w0.clone(), init_state(cfg, w0)
@@ -104,7 +114,7 @@ def test_in_place_step_is_the_out_of_place_step_to_the_bit(kw, form, consume):
         if "active" in form:
             active = torch.tensor([[1.0], [1.0], [float(s < 2)]])
         given = g.clone()
-        step_(cfg, w, given, st, lr, active=active, mask=mask, consume_grad=consume)
+        step_(cfg, w, given, st, lr, active=active, mask=given_mask, consume_grad=consume)
         reference_step(cfg, w_ref, g, st_ref, lr, active=active, mask=mask)
         assert torch.equal(bits(w), bits(w_ref))
         if not consume:
@@ -224,3 +234,16 @@ def test_optimized_rows_are_checked():
     with pytest.raises(ValueError, match="share a slot"):
         opt = {"w": Optimized(cfg, 0.1, "a"), "v": Optimized(cfg, 0.1, "a")}
         eng.client_steps({"w": w, "v": w}, [0, 1, 2], optimizer_step, optimized=opt, **kw)
+
+
+def test_trained_ranges_are_the_masks_runs_of_ones():
+    P = 20
+    assert trained_ranges(None) is None
+    assert trained_ranges(torch.ones(P)).ranges == ((0, P),)
+    assert trained_ranges(torch.zeros(P)).ranges == ()
+    head = torch.zeros(P, dtype=torch.bool)
+    head[15:] = True
+    assert trained_ranges(head).ranges == ((15, P),)
+    assert trained_ranges(~head).ranges == ((0, 15),)
+    alternating = (torch.arange(P) % 2).float()  # 10 runs: over MAX_RANGES, kept a product
+    assert trained_ranges(alternating) is alternating

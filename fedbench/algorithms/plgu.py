@@ -73,7 +73,7 @@ from fedbench.engine.lwsam import (
     lwsam_scale,
     normalize_scores,
 )
-from fedbench.engine.optim import init_state, step_
+from fedbench.engine.optim import Ranges, init_state, step_, trained_ranges
 
 Scores = Literal["eq6", "uniform"]
 ScoreNorm = Literal["mean1", "sum1"]
@@ -226,28 +226,29 @@ class PLGUGRep(FedRep):
                 (self.N, self.engine.n_state), float("nan"), device=self.device
             )
 
-    def body_step(self, s: torch.Tensor, g: torch.Tensor, lr: float) -> None:
+    def body_step(self, s: torch.Tensor, g: torch.Tensor, lr: float, body: Ranges) -> None:
         """phi <- phi - eta g on rows s [k, D]: one step of the run's optimizer from a fresh
-        state (SGD: eta (g + wd phi)), on the body only."""
+        state (SGD: eta (g + wd phi)), on the body only (`body`: the body mask's ranges)."""
         P = self.engine.n_params
         w = s[:, :P]
-        step_(self.optim, w, g, init_state(self.optim, w), lr, mask=self.body_mask)
+        step_(self.optim, w, g, init_state(self.optim, w), lr, mask=body)
 
     def body_lwsam_step(self, t: int) -> ClientStep:
         """One mini-batch of eqs. 10-13 in round t (`Engine.client_steps`), head frozen, on
         the rows `s` (phi_i with the client's head) and `ref` (eq. 10's reference). Aux:
         the losses of eq. 11's gradient [k]."""
         rho, lr, body = self.hp.rho, self.optim.lr_at(t), self.body_mask
+        body_ranges = trained_ranges(body)  # the step touches the body only (one host read)
 
         def step(st: dict[str, torch.Tensor], batch: StepBatch):
             s = st["s"]
             loss, g = batch.grad(s)  # eq. 11: phi_i = phi - eta g
-            self.body_step(s, g, lr)
+            self.body_step(s, g, lr, body_ranges)
             xi = normalize_scores(layer_scores(s, st["ref"], self.body_layers), self.rule)
             _, g = batch.grad(s)  # eq. 12: eps from the body gradient at phi_i (xi: eq. 10)
             eps = lwsam_perturbation(g * body, xi, self.body_layers, rho)
             _, g = batch.grad(s, at=eps)  # eq. 13: phi~_i = phi_i - eta g(phi_i + eps)
-            self.body_step(s, g, lr)
+            self.body_step(s, g, lr, body_ranges)
             return st, loss
 
         return step

@@ -50,6 +50,33 @@ def init_state(cfg: OptimConfig, w: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
+MAX_RANGES = 8  # a mask with more trained ranges than this is stepped as a product
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """A [P] 0/1 mask as the few contiguous ranges of entries it trains (`trained_ranges`):
+    an SGD step then reads and writes only those, where the mask's product would pass over
+    all P entries (FedRep's head epochs train 2k of the MLP's 200k; APFL's fixed alpha is
+    one entry out of 400k). `mask` is the tensor form (SAM's perturbation, Adam)."""
+
+    mask: torch.Tensor
+    ranges: tuple[tuple[int, int], ...]
+
+
+def trained_ranges(mask: torch.Tensor | None) -> torch.Tensor | Ranges | None:
+    """`mask` as `Ranges` when it trains at most MAX_RANGES contiguous ranges (one host read:
+    call it once per train call, not per step), else the mask itself."""
+    if mask is None:
+        return None
+    on = mask.detach().to("cpu", torch.int8).view(-1)
+    edges = torch.diff(on, prepend=on.new_zeros(1), append=on.new_zeros(1)).nonzero()[:, 0]
+    if len(edges) > 2 * MAX_RANGES:
+        return mask
+    bounds = edges.tolist()
+    return Ranges(mask, tuple(zip(bounds[::2], bounds[1::2])))
+
+
 def step_(
     cfg: OptimConfig,
     w: torch.Tensor,
@@ -57,7 +84,7 @@ def step_(
     state: dict[str, torch.Tensor],
     lr: float | torch.Tensor,
     active: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | Ranges | None = None,
     *,
     consume_grad: bool = False,
 ) -> None:
@@ -78,7 +105,25 @@ def step_(
     one the out-of-place form ran, in the same order (the same bits). `consume_grad`: `g`
     is the caller's to overwrite (a fresh gradient it reads no more): it holds the
     temporaries (weight decay, Nesterov, a tensor lr, Adam's denominator) instead.
+
+    A mask given as `Ranges` steps SGD on its trained ranges only (views of w, g and the
+    state): the same bits on every trained entry, and a frozen entry is not touched at all
+    (the product form adds lr * 0 to it). Adam counts its steps per row, once per call, so
+    it takes the product form.
     """
+    if isinstance(mask, Ranges):
+        if cfg.name != "sgd":
+            mask = mask.mask
+        else:
+            P = w.shape[-1]
+            for a, b in mask.ranges:
+                part = (..., slice(a, b))
+                lr_part = lr[part] if isinstance(lr, torch.Tensor) and lr.shape[-1:] == (P,) else lr
+                step_(
+                    cfg, w[part], g[part], {k: v[part] for k, v in state.items()}, lr_part,
+                    active, consume_grad=consume_grad,
+                )  # fmt: skip
+            return
     keep = active
     if mask is not None:
         keep = mask if keep is None else keep * mask

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from fedbench.engine.flat import FlatModule
-from fedbench.engine.optim import step_
+from fedbench.engine.optim import step_, trained_ranges
 from fedbench.engine.plan import (
     ClientStep,
     GradPlan,
@@ -110,6 +110,7 @@ class SequentialBackend:
     def _train_clients(self, plan: TrainPlan, states, out, losses, n_steps: list[int]) -> None:
         mod, clients = self.module, plan.clients
         optim, mask, sam = plan.optim, plan.mask, plan.sam
+        step_mask = trained_ranges(mask)  # one host read per call
         w, g = mod.params, mod.grad
         for c, client in enumerate(clients):
             mod.load(states[c])
@@ -135,7 +136,7 @@ class SequentialBackend:
                     with torch.no_grad():
                         w.sub_(e)
                 with torch.no_grad():
-                    step_(optim, w, g, ost, plan.lr, mask=mask)
+                    step_(optim, w, g, ost, plan.lr, mask=step_mask)
             self.optim_states.keep(optim, plan.slot, client, ost)
             out[c] = mod.state
             n_steps.append(n)

@@ -65,7 +65,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from fedbench.engine.memory import GRAD_ROWS, STEP_ROWS, MemoryModel
-from fedbench.engine.optim import OptimConfig, step_
+from fedbench.engine.optim import OptimConfig, Ranges, step_, trained_ranges
 from fedbench.engine.plan import (
     SAM,
     ClientStep,
@@ -174,6 +174,7 @@ class VmapBackend:
         # whole tensors the mask freezes take no gradient (not with SAM: its perturbation
         # reads the whole gradient's norm)
         frozen = self.spec.frozen(plan.mask) if sam is None else frozenset()
+        step_mask = trained_ranges(plan.mask)  # one host read per call
         self.model.train()
         for lo in range(0, C, k):
             pos = torch.tensor(order[lo : lo + k], device=dev)  # positions in the call
@@ -186,7 +187,7 @@ class VmapBackend:
             draws = [self.schedule.draws_of(plan, clients[c], sched[c][0]) for c in mine]
             keys = [self.schedule.keys_of(plan, clients[c], len(sched[c][1])) for c in mine]
             losses[pos] = self._train_chunk(
-                W, bufs, ost, chunk, draws, optim, plan.lr, plan.terms, plan.mask, sam, pos,
+                W, bufs, ost, chunk, draws, optim, plan.lr, plan.terms, step_mask, sam, pos,
                 plan.objective, frozen, keys,
             )  # fmt: skip
             self.optim_states.keep(optim, plan.slot, ids, ost)
@@ -204,7 +205,7 @@ class VmapBackend:
         optim: OptimConfig,
         lr: float | torch.Tensor,
         terms: Sequence[Term],
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | Ranges | None,
         sam: SAM | None,
         rows: torch.Tensor,
         objective: Objective | None = None,
@@ -260,7 +261,7 @@ class VmapBackend:
             if sam is not None:
                 e = perturbation(g, scale[sel] if scale_dim == 0 else scale)
                 if mask is not None:
-                    e = e * mask
+                    e = e * (mask.mask if isinstance(mask, Ranges) else mask)
                 g, _ = grad(w + e, b, x, y, ws, c, key, *ts)
             total[sel] += val
             step_(optim, w, g, st, lr, mask=mask, consume_grad=True)  # g: this step's own
