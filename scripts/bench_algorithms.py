@@ -315,7 +315,9 @@ def pfedhn_steps(a, c: Ctx) -> float:
 
 
 FROZEN = (
-    "frozen layers: no backward through them, but the masked step reads and writes all P entries"
+    "frozen layers: no backward through them and the step on the trained ranges only, but "
+    "each step's gradient is still assembled over all P entries (the backward of the flat "
+    "state's split writes zeros for the frozen ones: one [C, P] write per step)"
 )
 TERMS = "loss terms: autograd over the clients' C x P parameters each step (memory-bound)"
 HYPERNET = "the hypernetwork's VJP and SGD step over all its H G entries per client (memory-bound)"
