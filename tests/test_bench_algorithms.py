@@ -45,6 +45,7 @@ def test_bad_options_one_line_exit_2(args, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a benchmark's smoke run (~20 s): CI's long half
 def test_quick_run_writes_the_table(tmp_path):
     if not fmnist_available():
         pytest.skip("Fashion-MNIST files not installed (apt-get install dataset-fashion-mnist)")

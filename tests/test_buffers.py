@@ -169,8 +169,15 @@ BUDGETS: dict[str, tuple[list[str], int]] = {
 }
 
 
+# the three longest (hypernetworks, FedEM's three components: ~15 s each) run in CI's long half
+LONG_BN = ("pfedhn", "plgu_ghn", "fedem")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ALGORITHMS.names())
+@pytest.mark.parametrize(
+    "algo",
+    [pytest.param(a, marks=pytest.mark.long) if a in LONG_BN else a for a in ALGORITHMS.names()],
+)
 def test_batchnorm_statistics_stay_sane(tmp_path, algo):
     extra, rounds = BUDGETS.get(algo, ([], 2))
     s, run = run_bn(tmp_path, algo, extra, rounds)

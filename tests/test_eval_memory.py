@@ -54,6 +54,7 @@ def _bench(*args: str) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a memory measurement (~16 s): CI's long half
 def test_evaluation_extra_peak_is_a_few_models_not_n():
     """A 2.7M-parameter MLP, 96 clients: every [N, D] row would be 96 models (1 GB); an
     evaluation of FedRep, Ditto or pFedMe adds a few models at most to the process's peak RSS
