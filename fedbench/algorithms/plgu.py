@@ -226,9 +226,12 @@ class PLGUGRep(FedRep):
                 (self.N, self.engine.n_state), float("nan"), device=self.device
             )
 
-    def body_step(self, s: torch.Tensor, g: torch.Tensor, lr: float, body: Ranges) -> None:
+    def body_step(
+        self, s: torch.Tensor, g: torch.Tensor, lr: float, body: torch.Tensor | Ranges
+    ) -> None:
         """phi <- phi - eta g on rows s [k, D]: one step of the run's optimizer from a fresh
-        state (SGD: eta (g + wd phi)), on the body only (`body`: the body mask's ranges)."""
+        state (SGD: eta (g + wd phi)), on the body only (`body`: the body mask as
+        `trained_ranges` gives it)."""
         P = self.engine.n_params
         w = s[:, :P]
         step_(self.optim, w, g, init_state(self.optim, w), lr, mask=body)

@@ -130,11 +130,7 @@ def step_(
     # a tensor shaped like w the step may overwrite: g if given up, else its first temporary
     own = g if consume_grad and g.shape == w.shape else None
     if cfg.weight_decay:
-        g = (
-            g.add_(w, alpha=cfg.weight_decay)
-            if own is not None
-            else g.add(w, alpha=cfg.weight_decay)
-        )
+        g = _add(g, w, cfg.weight_decay, own)
         own = g if g.shape == w.shape else None
     if cfg.name == "sgd":
         if cfg.momentum:
@@ -145,11 +141,7 @@ def step_(
                 new_buf = buf.mul(cfg.momentum).add_(g)
                 buf.copy_(torch.where(keep.bool(), new_buf, buf))
             if cfg.nesterov:
-                d = (
-                    g.add_(buf, alpha=cfg.momentum)
-                    if own is not None
-                    else g.add(buf, alpha=cfg.momentum)
-                )
+                d = _add(g, buf, cfg.momentum, own)
                 own = d if d.shape == w.shape else None
             else:
                 d = buf
@@ -181,6 +173,11 @@ def step_(
     if keep is not None:
         d.mul_(keep)
     _descend(w, d, lr, d)
+
+
+def _add(t: torch.Tensor, x: torch.Tensor, alpha: float, own: torch.Tensor | None) -> torch.Tensor:
+    """t + alpha x: written into t when t is `own` (the step's to overwrite), else fresh."""
+    return t.add_(x, alpha=alpha) if t is own else t.add(x, alpha=alpha)
 
 
 def _descend(

@@ -103,19 +103,18 @@ class Schedule:
     def keys(self, client: int, n: int, *, round: int = 0, salt: int = 0) -> torch.Tensor | None:
         """The dropout keys [n] of a client's schedule of n batches (None when the model has
         no keyed dropout): key s for batch s (`fedbench.models.dropout`)."""
-        if not self.dropout:
-            return None
-        k0, k1 = np.random.SeedSequence(
-            [int(self.seed), int(round), int(client), int(salt), DROPOUT_KEY]
-        ).generate_state(2)
-        return batch_keys(int(k0), int(k1), n, self.device)
+        return self._keys(n, self.seed, round, client, salt, DROPOUT_KEY)
 
     def full_keys(self, client: int, n: int) -> torch.Tensor | None:
         """The dropout keys [n] of a full-gradient pass's n blocks over a client's data: the
         same at every call (one fixed loss function per client, whatever the round)."""
+        return self._keys(n, self.seed, client, FULL_KEY)
+
+    def _keys(self, n: int, *parts: int) -> torch.Tensor | None:
+        """n dropout keys from the stream seeded by `parts` (None without keyed dropout)."""
         if not self.dropout:
             return None
-        k0, k1 = np.random.SeedSequence([int(self.seed), int(client), FULL_KEY]).generate_state(2)
+        k0, k1 = np.random.SeedSequence([int(p) for p in parts]).generate_state(2)
         return batch_keys(int(k0), int(k1), n, self.device)
 
     def of(self, plan: TrainPlan, client: int) -> tuple[torch.Tensor, list[int]]:
