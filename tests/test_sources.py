@@ -254,6 +254,7 @@ def test_federation_normalizes_per_channel_or_keeps_pixels_in_unit_range(tmp_pat
     std = torch.tensor(ds.std, dtype=torch.float64).view(1, 3, 1, 1)
     on = Federation(ds, part).x.double()
     off = Federation(ds, part, normalize=False).x.double()
+    raw = raw[:30]  # the samples the clients' sets name (the pool's first 30)
     assert torch.allclose(on, (raw - mean) / std, atol=1e-5)
     assert torch.allclose(off, raw, atol=1e-6) and off.min() >= 0 and off.max() <= 1
 
@@ -962,3 +963,35 @@ def test_tinyimagenet_cache_follows_the_image_folders(tmp_path, monkeypatch):
     age(tmp_path, 20_000)
     ds = load_dataset("tinyimagenet", tmp_path, download=False)
     assert ds.y_train.tolist() == [0, 0, 1, 1, 1, 2, 2] and len(decodes) == 9 + 10
+
+
+@pytest.mark.quick
+def test_federation_keeps_the_named_samples_and_reads_each_set_as_the_pool_would(tmp_path):
+    """Only the pool's samples some set names are kept; every client's train / test / val
+    set and the S / G sets read the same samples through the renumbered indices as through
+    their pool positions, in the same order."""
+    from fedbench.data.federation import Federation
+    from fedbench.data.splits import Partition
+
+    write_cifar10(tmp_path)
+    ds = load_dataset("cifar10", tmp_path, download=False)
+    n_tr = ds.x_train.shape[0]
+    pool_x = torch.cat([ds.x_train, ds.x_test]).float() / 255
+    pool_y = torch.cat([ds.y_train, ds.y_test]).long()
+    # train from the train split, test from the test split (pool positions past n_tr), out of
+    # order and with gaps; S / G sets reach into other clients' test samples
+    train = [np.array([7, 2, 11]), np.array([3, 15])]
+    test = [np.array([n_tr + 4, n_tr + 1]), np.array([n_tr + 6])]
+    val = [np.array([0]), np.array([9])]
+    s_idx, g_idx = (
+        [np.array([n_tr + 6, n_tr + 4]), np.array([n_tr + 1])],
+        [np.array([]), np.array([n_tr + 6])],
+    )
+    fed = Federation(ds, Partition(train, test, val=val), s_idx=s_idx, g_idx=g_idx, normalize=False)
+    assert fed.x.shape[0] == len(fed.rows) == 10 and list(fed.rows) == sorted(fed.rows)
+    for mine, pool in [(fed.train_idx, train), (fed.test_idx, test), (fed.val_idx, val),
+                       (fed.s_idx, s_idx), (fed.g_idx, g_idx)]:  # fmt: skip
+        for m, p in zip(mine, pool, strict=True):
+            p = torch.as_tensor(p, dtype=torch.int64)
+            assert torch.equal(fed.x[m], pool_x[p]) and torch.equal(fed.y[m], pool_y[p])
+            assert torch.equal(torch.argsort(m), torch.argsort(p))  # the same order

@@ -1,11 +1,16 @@
 """The federation: one dataset's tensors on the training device plus every client's indices.
 
 Train and test splits are concatenated into one pool (see `splits.Partition`); clients hold
-index tensors into it, never copies. Images are normalized once at construction (float32;
-`normalize=False` keeps pixels in [0, 1]), so a batch is a gather; optional augmentation
-(random crop with padding, horizontal flip) runs on the device per training batch, as drawn
-by `draw_augment` from a generator the caller keys (the engine's `Schedule`: seed, round,
-client, salt; one row per batch), so no stream is shared across clients or kept as state.
+index tensors into it, never copies. Only the pool's samples that some client's set names are
+kept (`rows`: their pool positions, ascending) and every index is renumbered into them; the
+renumbering keeps order, so a sort or a union of indices comes out as it would over the whole
+pool, and a gather reads the same samples. A 20-client test run keeps 5,000 of FMNIST's 70,000
+images, a TinyImageNet run of a few clients not 4.9 GB of floats. Images are normalized once
+at construction (float32; `normalize=False` keeps pixels in [0, 1]), so a batch is a gather;
+optional augmentation (random crop with padding, horizontal flip) runs on the device per
+training batch, as drawn by `draw_augment` from a generator the caller keys (the engine's
+`Schedule`: seed, round, client, salt; one row per batch), so no stream is shared across
+clients or kept as state.
 """
 
 from __future__ import annotations
@@ -53,18 +58,27 @@ class Federation:
     ) -> None:
         self.name = data.name
         self.device = torch.device(device)
-        x = torch.cat([data.x_train, data.x_test])
+        n_train = int(data.x_train.shape[0])
+        sets = [partition.train, partition.test, partition.val, s_idx or [], g_idx or []]
+        named = [np.asarray(i, dtype=np.int64).ravel() for ix in sets for i in ix]
+        # the pool positions any set names, ascending; the samples of no set are never read
+        self.rows = np.unique(np.concatenate(named)) if named else np.zeros(0, np.int64)
+        tr, te = self.rows[self.rows < n_train], self.rows[self.rows >= n_train] - n_train
+        x = torch.cat([data.x_train[torch.as_tensor(tr)], data.x_test[torch.as_tensor(te)]])
         stats = (data.mean, data.std) if normalize else ((), ())
         self.x = to_float(x, *stats).to(self.device)
-        self.y = torch.cat([data.y_train, data.y_test]).long().to(self.device)
-        self.n_train_pool = int(data.x_train.shape[0])
+        y = torch.cat([data.y_train[torch.as_tensor(tr)], data.y_test[torch.as_tensor(te)]])
+        self.y = y.long().to(self.device)
+        self.n_train_pool = n_train
         self.num_classes = int(data.num_classes)
         self.input_shape = tuple(data.input_shape)
         self.partition = partition
         self.num_clients = len(partition.train)
 
         def dev(ix: list[np.ndarray]) -> list[torch.Tensor]:
-            return [torch.as_tensor(np.asarray(i, dtype=np.int64), device=self.device) for i in ix]
+            """Pool positions renumbered into `rows` (kept order), on the device."""
+            local = (np.searchsorted(self.rows, np.asarray(i, dtype=np.int64)) for i in ix)
+            return [torch.as_tensor(i, dtype=torch.int64, device=self.device) for i in local]
 
         self.train_idx = dev(partition.train)
         self.test_idx = dev(partition.test)
