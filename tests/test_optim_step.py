@@ -22,6 +22,7 @@ from torch import nn
 from conftest import TinyFed
 from fedbench.engine import Engine, OptimConfig, Optimized
 from fedbench.engine.optim import Ranges, init_state, step_, trained_ranges
+from fedbench.engine.spec import ModelSpec
 
 pytestmark = pytest.mark.quick
 
@@ -247,3 +248,62 @@ def test_trained_ranges_are_the_masks_runs_of_ones():
     assert trained_ranges(~head).ranges == ((0, 15),)
     alternating = (torch.arange(P) % 2).float()  # 10 runs: over MAX_RANGES, kept a product
     assert trained_ranges(alternating) is alternating
+
+
+@pytest.mark.parametrize("kw", [kw for kw in ALL_CASES if kw["name"] == "sgd"], ids=str)
+def test_a_gradient_per_trained_range_steps_as_the_whole_gradient(kw):
+    """`Ranges` with the gradient given per trained range (what the vmap backend's backward
+    over those ranges alone returns) steps to the bits of the whole [C, P] gradient; Adam,
+    which takes the product form, refuses it."""
+    gen = torch.Generator().manual_seed(2)
+    C, P = 3, 129
+    cfg = OptimConfig(lr=0.05, **kw)
+    mask = torch.ones(P)
+    mask[10:40] = 0
+    ranges = trained_ranges(mask)
+    w0 = torch.randn(C, P, generator=gen)
+    w, st = w0.clone(), init_state(cfg, w0)
+    w_ref, st_ref = w0.clone(), init_state(cfg, w0)
+    for _ in range(3):
+        g = torch.randn(C, P, generator=gen)
+        pieces = tuple(g[:, a:b].clone() for a, b in ranges.ranges)
+        step_(cfg, w, pieces, st, 0.05, mask=ranges, consume_grad=True)
+        step_(cfg, w_ref, g.clone(), st_ref, 0.05, mask=ranges, consume_grad=True)
+        assert torch.equal(bits(w), bits(w_ref))
+    assert all(torch.equal(st[k], st_ref[k]) for k in st)
+    adam = OptimConfig(name="adam", lr=1e-3)
+    with pytest.raises(ValueError, match="per trained range"):
+        step_(adam, w, pieces, init_state(adam, w), 1e-3, mask=ranges)
+
+
+def test_range_of_names_the_range_holding_each_parameter_whole():
+    spec = ModelSpec(mlp())  # 6x8 weight [0, 48), bias [48, 56), 8x3 [56, 80), bias [80, 83)
+    assert spec.range_of(((56, 83),)) == [None, None, 0, 0]
+    assert spec.range_of(((0, 56), (80, 83))) == [0, 0, None, 1]
+    assert spec.range_of(((50, 83),)) is None  # cuts through the first bias
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_vmap_head_training_by_range_equals_the_whole_gradient(monkeypatch, momentum):
+    """The vmap backend trains a head-only mask through the gradient of the head's range
+    alone; forcing the whole [C, P] gradient instead (`range_of` None) gives the same bits."""
+    fed = TinyFed()
+    cfg = OptimConfig(lr=0.1, momentum=momentum, weight_decay=1e-3)
+
+    def run() -> torch.Tensor:
+        eng = Engine(fed, mlp(), device="cpu", backend="vmap")
+        head = eng.spec.mask(["2.weight", "2.bias"])
+        s = eng.initial_state().repeat(3, 1)
+        for t in range(2):
+            s = eng.train(
+                s, [2, 0, 1], optim=cfg, lr=0.1, batch_size=8, epochs=1, round=t, trainable=head
+            ).states
+        return s
+
+    seen = []
+    range_of = ModelSpec.range_of
+    monkeypatch.setattr(ModelSpec, "range_of", lambda *a: seen.append(range_of(*a)) or seen[-1])
+    fast = run()
+    assert seen and all(w == [None, None, 0, 0] for w in seen)  # the head's range was used
+    monkeypatch.setattr(ModelSpec, "range_of", lambda self, ranges: None)
+    assert torch.equal(bits(fast), bits(run()))

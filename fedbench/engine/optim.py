@@ -80,7 +80,7 @@ def trained_ranges(mask: torch.Tensor | None) -> torch.Tensor | Ranges | None:
 def step_(
     cfg: OptimConfig,
     w: torch.Tensor,
-    g: torch.Tensor,
+    g: torch.Tensor | tuple[torch.Tensor, ...],
     state: dict[str, torch.Tensor],
     lr: float | torch.Tensor,
     active: torch.Tensor | None = None,
@@ -109,19 +109,24 @@ def step_(
     A mask given as `Ranges` steps SGD on its trained ranges only (views of w, g and the
     state): the same bits on every trained entry, and a frozen entry is not touched at all
     (the product form adds lr * 0 to it). Adam counts its steps per row, once per call, so
-    it takes the product form.
+    it takes the product form. With `Ranges`, `g` may also be the gradient of the trained
+    ranges alone, one tensor per range (what a backward over those ranges gives: no [P]
+    gradient of zeros is assembled).
     """
+    if isinstance(g, tuple) and not (isinstance(mask, Ranges) and cfg.name == "sgd"):
+        raise ValueError("a gradient per trained range needs an SGD step on `Ranges`")
     if isinstance(mask, Ranges):
         if cfg.name != "sgd":
             mask = mask.mask
         else:
             P = w.shape[-1]
-            for a, b in mask.ranges:
+            for j, (a, b) in enumerate(mask.ranges):
                 part = (..., slice(a, b))
                 lr_part = lr[part] if isinstance(lr, torch.Tensor) and lr.shape[-1:] == (P,) else lr
                 step_(
-                    cfg, w[part], g[part], {k: v[part] for k, v in state.items()}, lr_part,
-                    active, consume_grad=consume_grad,
+                    cfg, w[part], g[j] if isinstance(g, tuple) else g[part],
+                    {k: v[part] for k, v in state.items()}, lr_part, active,
+                    consume_grad=consume_grad,
                 )  # fmt: skip
             return
     keep = active

@@ -101,6 +101,18 @@ class ModelSpec:
             return frozenset()
         return frozenset(e.name for e, on in zip(self.params, trains) if not on)
 
+    def range_of(self, ranges: tuple[tuple[int, int], ...]) -> list[int | None] | None:
+        """For each parameter, the index of the trained range (`optim.Ranges`) that holds it
+        whole, or None where no range touches it (frozen whole); None in all when a range
+        cuts through a parameter (a gradient per range would then split a tensor)."""
+        where: list[int | None] = []
+        for e in self.params:
+            j = next((j for j, (a, b) in enumerate(ranges) if a < e.stop and e.start < b), None)
+            if j is not None and not (ranges[j][0] <= e.start and e.stop <= ranges[j][1]):
+                return None
+            where.append(j)
+        return where
+
     def segment_ids(self, groups: list[list[str]], *, device=None) -> torch.Tensor:
         """Index [P] mapping each parameter entry to its group (e.g. the model's layers)."""
         ids = torch.full((self.n_params,), -1, dtype=torch.long, device=device)

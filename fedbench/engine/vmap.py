@@ -237,10 +237,26 @@ class VmapBackend:
             for v, pc in zip(t.tensors(), t.per_client):
                 tensors.append(v[rows] if pc else v)
                 dims.append(0 if pc else None)
-        grad = vmap(
-            grad_and_value(self._loss(terms, objective, frozen)),
-            in_dims=(0, 0, 0, 0, 0, 0, self.key_dim, *dims),
-        )
+        # a mask whose trained ranges hold whole parameters (FedRep's head epochs): the
+        # gradient of those ranges alone, not a [k, P] one assembled around the frozen zeros
+        where = None
+        if isinstance(mask, Ranges) and mask.ranges and optim.name == "sgd" and sam is None:
+            where = None if terms else self.spec.range_of(mask.ranges)
+        if where is not None:
+            assert isinstance(mask, Ranges)
+            ranges = mask.ranges
+            by_range = vmap(
+                grad_and_value(self._loss_ranges(ranges, where, objective)),
+                in_dims=(0, 0, 0, 0, 0, 0, 0, self.key_dim),
+            )
+
+            def grad(w, b, x, y, ws, c, key):
+                return by_range(tuple(w[:, a:z] for a, z in ranges), w, b, x, y, ws, c, key)
+        else:
+            grad = vmap(
+                grad_and_value(self._loss(terms, objective, frozen)),
+                in_dims=(0, 0, 0, 0, 0, 0, self.key_dim, *dims),
+            )
         scale, scale_dim = None, None
         if sam is not None:
             scale = sam.scale
@@ -257,7 +273,7 @@ class VmapBackend:
             ts = [v[sel] if d == 0 else v for v, d in zip(tensors, dims)]
             x, y, ws, c = x[sel, :n], y[sel, :n], ws[sel, :n], rows[sel]
             key = None if ks is None else ks[sel]
-            g, val = grad(w, b, x, y, ws, c, key, *ts)
+            g, val = grad(w, b, x, y, ws, c, key, *ts)  # g: [k, P], or per trained range
             if sam is not None:
                 e = perturbation(g, scale[sel] if scale_dim == 0 else scale)
                 if mask is not None:
@@ -330,6 +346,36 @@ class VmapBackend:
                 val = val + t.value(w, *tensors[i : i + k])
                 i += k
             return val
+
+        return loss
+
+    def _loss_ranges(
+        self,
+        ranges: tuple[tuple[int, int], ...],
+        where: list[int | None],
+        objective: Objective | None = None,
+    ):
+        """`_loss` without terms, differentiated in the trained ranges' entries alone:
+        `pieces[j]` is w[a_j:b_j] of range j, split into the parameters it holds whole
+        (`where`: `ModelSpec.range_of`; a split's backward is one concatenation), every other
+        parameter a detached view of w."""
+        model, spec = self.model, self.spec
+        wrapped = None if objective is None else _Objective(model, objective)
+        held = [[e for e, j in zip(spec.params, where) if j == r] for r in range(len(ranges))]
+        sizes = [[e.stop - e.start for e in es] for es in held]
+
+        def loss(pieces, w, bufs, x, y, wt, c, key):
+            params = spec.param_views(w.detach())
+            for es, n, piece in zip(held, sizes, pieces):
+                for e, v in zip(es, torch.split(piece, n)):
+                    params[e.name] = v.view(e.shape)
+            views = {**params, **bufs}
+            with dropout_key(key):
+                if wrapped is None:
+                    logits = functional_call(model, views, (x,))
+                    return (F.cross_entropy(logits, y, reduction="none") * wt).sum()
+                views = {f"model.{k}": v for k, v in views.items()}
+                return functional_call(wrapped, views, (x, y, c))
 
         return loss
 
