@@ -148,7 +148,11 @@ def main() -> int:
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO / "scripts"), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
+    # the `long` ones too: here they are this algorithm's own runs (its BatchNorm and
+    # kill-and-resume runs), which the README's command leaves to CI's second half
+    marks = [] if "-m" in args.pytest_args else ["-m", "quick or slow"]
     mode = ["--collect-only", "-q", "-n", "0"] if args.collect else ["-q", *args.pytest_args]
+    mode = [*marks, *mode]
     print(f"check_algorithm: {name}: its tests and the per-algorithm ones", flush=True)
     cmd = [sys.executable, "-m", "pytest", "-p", "check_algorithm", *mode, *paths]
     code = subprocess.run(cmd, cwd=REPO, env=env).returncode

@@ -230,6 +230,7 @@ def test_learns_on_fmnist(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # every algorithm's state round trip stays quick (test_checkpoint)
 def test_resume_is_exact(tmp_path, monkeypatch):
     """Killed as round 3 starts, clusters already split (checkpoint at round 2), which go on
     splitting after the resume."""

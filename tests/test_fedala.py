@@ -276,6 +276,7 @@ def test_learns_on_fmnist(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # every algorithm's state round trip stays quick (test_checkpoint)
 def test_resume_is_exact(tmp_path, monkeypatch):
     """Half the clients a round: some start their start phase after the crash, so W and the
     start-phase flags must come back from the checkpoint. (A start phase of at most 3

@@ -166,6 +166,7 @@ def test_learns_on_fmnist(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # every algorithm's state round trip stays quick (test_checkpoint)
 def test_resume_is_exact(tmp_path, monkeypatch):
     over = ["algo=fedbabu", "clients=10", "eval.every=2", "checkpoint.every=2",
             "participation=0.5", "algo.finetune_epochs=1"]  # fmt: skip

@@ -129,6 +129,7 @@ def test_learns_on_fmnist_with_a_batchnorm_cnn(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # every algorithm's state round trip stays quick (test_checkpoint)
 def test_resume_is_exact(tmp_path, monkeypatch):
     over = ["algo=fedbn", "clients=6", "batch_size=30", "eval.every=1", "checkpoint.every=1",
             "participation=0.5"]  # fmt: skip

@@ -324,6 +324,7 @@ def test_learns_on_fmnist(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # every algorithm's state round trip stays quick (test_checkpoint)
 def test_resume_is_exact(tmp_path, monkeypatch):
     over = ["algo=fedcp", "eval.every=2", "checkpoint.every=1", "participation=0.5"]
     full, resumed = crash_and_resume(tmp_path, monkeypatch, over, 3, die_at=2)

@@ -197,6 +197,7 @@ def test_learns_on_fmnist(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # every algorithm's state round trip stays quick (test_checkpoint)
 def test_resume_is_exact(tmp_path, monkeypatch):
     """Killed as round 2 starts, resumed from round 1's checkpoint: the global mean of the
     initialization period (round 0) comes back with the state, not recomputed."""

@@ -323,6 +323,7 @@ def test_learns_on_fmnist(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # every algorithm's state round trip stays quick (test_checkpoint)
 def test_resume_is_exact(tmp_path, monkeypatch):
     """Killed as round 2 starts, resumed from the checkpoint after round 1: the round then
     uses the saved centroids, heads and body."""

@@ -262,6 +262,7 @@ def test_learns_on_fmnist(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # every algorithm's state round trip stays quick (test_checkpoint)
 def test_resume_is_exact(tmp_path, monkeypatch):
     over = ["algo=gpfl", "eval.every=1", "checkpoint.every=1", "participation=0.25"]
     # the second engine's kept optimizer state (momentum) must come back too (WithTrainer)

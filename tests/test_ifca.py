@@ -169,6 +169,7 @@ def test_learns_on_fmnist(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # every algorithm's state round trip stays quick (test_checkpoint)
 def test_resume_is_exact(tmp_path, monkeypatch):
     over = ["algo=ifca", "algo.k=3", "optim.lr=0.1", "eval.every=2", "checkpoint.every=2",
             "participation=0.5"]  # fmt: skip

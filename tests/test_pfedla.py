@@ -243,6 +243,7 @@ def test_learns_on_fmnist(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # every algorithm's state round trip stays quick (test_checkpoint)
 def test_resume_is_exact(tmp_path, monkeypatch):
     over = ["algo=pfedla", "algo.hn_momentum=0.9", "eval.every=2", "checkpoint.every=2",
             "participation=0.5"]  # fmt: skip

@@ -414,7 +414,10 @@ def uninterrupted(tmp_path_factory) -> dict:
 @pytest.mark.slow
 @needs_fmnist
 @pytest.mark.xdist_group("signals")  # one worker: the uninterrupted run is made once
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+# SIGINT (Ctrl-C) in the README's command; SIGTERM (a scheduler's preemption) in the long tests
+@pytest.mark.parametrize(
+    "sig", [pytest.param(signal.SIGTERM, marks=pytest.mark.long), signal.SIGINT]
+)
 def test_signal_saves_a_checkpoint_and_resume_equals_uninterrupted(tmp_path, sig, uninterrupted):
     run = tmp_path / "run"
     proc = subprocess.Popen([*CLI, *SIGNALLED, f"hydra.run.dir={run}"], cwd=tmp_path, env=ENV,
