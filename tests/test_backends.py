@@ -246,3 +246,23 @@ def test_client_steps_of_a_non_default_mode(name, caplog, monkeypatch):
     steps): two rounds on the MLP, as every algorithm's default above."""
     caplog.set_level(logging.WARNING)
     assert_same_runs(name, monkeypatch, rounds=2, extra=CLIENT_STEPS[name])
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", ["fedala", "fedspa"])
+def test_own_training_forwards_drop_by_key(name):
+    """FedALA's weight learning and FedSPA's pruning gradient are training forwards outside
+    `Engine.train`: with keyed dropout their masks come from (seed, round, client, salt), so
+    two runs equal whatever torch's global generator holds (a resume draws the same)."""
+    runs = []
+    for global_seed in (0, 1):
+        extra = ["engine.backend=sequential", "algo.max_start_epochs=1"] if name == "fedala" else []
+        algo, _, fed = make_algo(
+            name, extra or ["engine.backend=sequential"], fed=ImageFed(False),
+            backend="sequential", model_fn=wrn_dropout,
+        )  # fmt: skip
+        torch.manual_seed(global_seed)  # what nn.Dropout would draw from; keyed masks do not
+        for t in range(2 if name == "fedala" else 1):  # FedALA's weight learning: round 1 on
+            algo.round(t, np.arange(fed.num_clients))
+        runs.append(algo.state_dict())
+    assert_close_tree(runs[0], runs[1])

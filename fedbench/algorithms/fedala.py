@@ -97,6 +97,7 @@ from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport, Trained
 from fedbench.algorithms.params import hp, nonneg, positive
 from fedbench.engine import Engine
 from fedbench.errors import ConfigError
+from fedbench.models.dropout import dropout_key
 
 ALA_SALT = 1  # D_i^{s,t}'s permutation, apart from local training's batch stream
 
@@ -241,11 +242,18 @@ class FedALA(TrainedOrGlobal, Algorithm):
         batches = self.ala_batches(c, t)
         forward, batches = self.forward_of(glob[:P], theta[P:].clone(), batches)
         losses: list[float] = []
-        for _ in range(1 if started else self.hp.max_start_epochs):
+        epochs = 1 if started else self.hp.max_start_epochs
+        # a model with keyed dropout: each forward's masks keyed by (seed, round, client,
+        # ALA's salt, forward), so a resumed run drops as an uninterrupted one
+        keys = self.engine.dropout_keys(c, epochs * len(batches), round=t, salt=ALA_SALT)
+        n = 0
+        for _ in range(epochs):
             for x, y in batches:
-                loss, weights = ala_step(
-                    forward, weights, theta[:P], glob[:P], self.top, x, y, self.hp.eta
-                )
+                with dropout_key(None if keys is None else keys[n]):
+                    loss, weights = ala_step(
+                        forward, weights, theta[:P], glob[:P], self.top, x, y, self.hp.eta
+                    )
+                n += 1
             losses.append(float(loss))  # the epoch's last batch (the authors' record)
             if start_phase_done(losses, self.hp.num_pre_loss, self.hp.threshold):
                 break

@@ -87,7 +87,8 @@ class FedSpa(Algorithm):
         if rate <= 0:
             return
         x, y = next(self.engine.batches(i, self.run.batch_size, steps=1, round=t, salt=3))
-        _, g = self.engine.grad_at(state.clone(), x, y)
+        keys = self.engine.dropout_keys(i, 1, round=t, salt=3)  # that batch's dropout masks
+        _, g = self.engine.grad_at(state.clone(), x, y, key=None if keys is None else keys[0])
         m = self.masks[i]
         for e in self.layers:
             sl = slice(e.start, e.stop)

@@ -325,11 +325,21 @@ class Engine:
         at: torch.Tensor | None = None,
         terms: Sequence[Term] = (),
         rows=(),
+        key: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, gradient [P]) of one flat `state` on (x, y), a training step; the state's
         buffers updated in place (`FlatModule.grad_at`: the step of hand-written per-client
-        loops, `algorithms/_steps.py`, and of the sequential `client_steps`)."""
-        return self.module.grad_at(state, x, y, at=at, terms=terms, rows=rows)
+        loops, `algorithms/_steps.py`, and of the sequential `client_steps`). `key`: the
+        batch's dropout key (`dropout_keys`; None: torch's global generator)."""
+        return self.module.grad_at(state, x, y, at=at, terms=terms, rows=rows, key=key)
+
+    def dropout_keys(
+        self, client: int, n: int, *, round: int = 0, salt: int = 0
+    ) -> torch.Tensor | None:
+        """n dropout keys [n] for a client's own training forwards outside `train` (FedALA's
+        weight learning, FedSPA's pruning gradient): key s for its s-th forward, keyed by
+        (seed, round, client, salt) as `train`'s batches are; None without keyed dropout."""
+        return self.batch_schedule.keys(client, n, round=round, salt=salt)
 
     # ------------------------------------------------------------------ training
     def train(
