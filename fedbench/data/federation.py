@@ -63,11 +63,12 @@ class Federation:
         named = [np.asarray(i, dtype=np.int64).ravel() for ix in sets for i in ix]
         # the pool positions any set names, ascending; the samples of no set are never read
         self.rows = np.unique(np.concatenate(named)) if named else np.zeros(0, np.int64)
-        tr, te = self.rows[self.rows < n_train], self.rows[self.rows >= n_train] - n_train
-        x = torch.cat([data.x_train[torch.as_tensor(tr)], data.x_test[torch.as_tensor(te)]])
+        tr = torch.as_tensor(self.rows[self.rows < n_train])
+        te = torch.as_tensor(self.rows[self.rows >= n_train] - n_train)
+        x = torch.cat([data.x_train[tr], data.x_test[te]])
         stats = (data.mean, data.std) if normalize else ((), ())
         self.x = to_float(x, *stats).to(self.device)
-        y = torch.cat([data.y_train[torch.as_tensor(tr)], data.y_test[torch.as_tensor(te)]])
+        y = torch.cat([data.y_train[tr], data.y_test[te]])
         self.y = y.long().to(self.device)
         self.n_train_pool = n_train
         self.num_classes = int(data.num_classes)

@@ -239,12 +239,10 @@ class VmapBackend:
                 dims.append(0 if pc else None)
         # a mask whose trained ranges hold whole parameters (FedRep's head epochs): the
         # gradient of those ranges alone, not a [k, P] one assembled around the frozen zeros
-        where = None
-        if isinstance(mask, Ranges) and mask.ranges and optim.name == "sgd" and sam is None:
-            where = None if terms else self.spec.range_of(mask.ranges)
+        plain_sgd = optim.name == "sgd" and sam is None and not terms
+        ranges = mask.ranges if plain_sgd and isinstance(mask, Ranges) else ()
+        where = self.spec.range_of(ranges) if ranges else None
         if where is not None:
-            assert isinstance(mask, Ranges)
-            ranges = mask.ranges
             by_range = vmap(
                 grad_and_value(self._loss_ranges(ranges, where, objective)),
                 in_dims=(0, 0, 0, 0, 0, 0, 0, self.key_dim),
@@ -333,14 +331,7 @@ class VmapBackend:
             params = spec.param_views(w)
             if frozen:
                 params = {k: v.detach() if k in frozen else v for k, v in params.items()}
-            views = {**params, **bufs}
-            with dropout_key(key):
-                if wrapped is None:
-                    logits = functional_call(model, views, (x,))
-                    val = (F.cross_entropy(logits, y, reduction="none") * wt).sum()
-                else:
-                    views = {f"model.{k}": v for k, v in views.items()}
-                    val = functional_call(wrapped, views, (x, y, c))
+            val = self._batch_loss(wrapped, {**params, **bufs}, x, y, wt, c, key)
             i = 0
             for t, k in zip(terms, sizes):
                 val = val + t.value(w, *tensors[i : i + k])
@@ -369,15 +360,19 @@ class VmapBackend:
             for es, n, piece in zip(held, sizes, pieces):
                 for e, v in zip(es, torch.split(piece, n)):
                     params[e.name] = v.view(e.shape)
-            views = {**params, **bufs}
-            with dropout_key(key):
-                if wrapped is None:
-                    logits = functional_call(model, views, (x,))
-                    return (F.cross_entropy(logits, y, reduction="none") * wt).sum()
-                views = {f"model.{k}": v for k, v in views.items()}
-                return functional_call(wrapped, views, (x, y, c))
+            return self._batch_loss(wrapped, {**params, **bufs}, x, y, wt, c, key)
 
         return loss
+
+    def _batch_loss(self, wrapped, views: dict, x, y, wt, c, key) -> torch.Tensor:
+        """A training forward at `views` (named parameters and buffers) under the dropout
+        `key`: the batch's weighted cross-entropy, or the custom objective `wrapped`."""
+        with dropout_key(key):
+            if wrapped is None:
+                logits = functional_call(self.model, views, (x,))
+                return (F.cross_entropy(logits, y, reduction="none") * wt).sum()
+            views = {f"model.{k}": v for k, v in views.items()}
+            return functional_call(wrapped, views, (x, y, c))
 
     # ------------------------------------------------------------------ client steps
     def client_steps(
