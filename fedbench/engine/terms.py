@@ -5,9 +5,18 @@ the `clients` passed to `Engine.train` ([C, D]). `value(w, *tensors)` gets one c
 parameter vector w ([P]) and that client's rows; it must be written with torch ops only so
 that autograd (and vmap) can go through it. References may be full states [D]; only their
 parameter part w.shape[-1] is used.
+
+A term whose gradient is known in closed form also gives `value_and_grad(w, *tensors)`,
+batched over w's leading client axis ([k, P], rows [k, D] or shared [D]). The engines then
+take the model's gradient without the term and add the term's in one vector operation: the
+autograd route costs a forward and a backward elementwise over all [k, P] parameters per
+step, more than the batched matmuls of an MLP's step on a CPU (docs/performance.md). Both
+routes give the same bits (`closed_form`'s order; tests/test_terms.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -20,6 +29,17 @@ class Term:
 
     def value(self, w: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def value_and_grad(
+        self, w: torch.Tensor, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(value [...], gradient [..., P]) at w [..., P], in closed form; a term without one
+        leaves this out and goes through autograd (`has_closed_form`)."""
+        raise NotImplementedError
+
+    @classmethod
+    def has_closed_form(cls) -> bool:
+        return cls.value_and_grad is not Term.value_and_grad
 
     def rows(self, c: int) -> tuple[torch.Tensor, ...]:
         """Client c's tensors (position c in the train call's client list)."""
@@ -41,6 +61,12 @@ class Proximal(Term):
         d = w - ref[..., : w.shape[-1]]
         return 0.5 * self.mu * (d * d).sum()
 
+    def value_and_grad(self, w: torch.Tensor, ref: torch.Tensor):
+        d = w - ref[..., : w.shape[-1]]
+        value = 0.5 * self.mu * (d * d).sum(-1)
+        # autograd's mu/2 d + mu/2 d: mu d to the bit (halving and doubling are exact)
+        return value, d.mul_(self.mu)
+
 
 class Linear(Term):
     """<v, w> (FedDyn's and FedSLR's linear term, SCAFFOLD-style corrections)."""
@@ -54,6 +80,33 @@ class Linear(Term):
 
     def value(self, w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return (w * v[..., : w.shape[-1]]).sum()
+
+    def value_and_grad(self, w: torch.Tensor, v: torch.Tensor):
+        v = v[..., : w.shape[-1]]
+        return (w * v).sum(-1), v.expand_as(w)  # a view: read, never written
+
+
+def closed_form(terms: Sequence[Term]) -> bool:
+    """Every term has its gradient in closed form (`Term.value_and_grad`)."""
+    return all(t.has_closed_form() for t in terms)
+
+
+def values_and_grad(
+    w: torch.Tensor, terms: Sequence[Term], rows: Sequence[Sequence[torch.Tensor]]
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The terms' values at w [..., P] (one per term, for the caller to add in its order) and
+    the sum of their gradients in closed form, summed as autograd accumulates the gradient of
+    sum(values) into w: the last term's first (later nodes run first in its backward). The
+    caller adds the sum to the model's gradient, which autograd too adds last."""
+    values, grads = [], []
+    for t, r in zip(terms, rows):
+        v, g = t.value_and_grad(w, *r)
+        values.append(v)
+        grads.append(g)
+    total = grads[-1]
+    for g in reversed(grads[:-1]):
+        total = total + g
+    return values, total
 
 
 def dynamic(lam: torch.Tensor, ref: torch.Tensor, alpha: float) -> list[Term]:

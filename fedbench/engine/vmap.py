@@ -17,8 +17,11 @@ Equal to the sequential backend, by construction:
   state stay exactly as they are (masking them, `optim.step_(active=...)`, would compute
   their padded steps only to throw them away).
 - Loss terms are the same `Term.value` code; their per-client tensors map with the clients
-  (vmap in_dims 0), shared ones broadcast (in_dims None). SAM's perturbation is the same
-  `SAM.perturbation`, mapped per client; the second gradient is taken at W + eps.
+  (vmap in_dims 0), shared ones broadcast (in_dims None). A term with a closed-form gradient
+  (`Term.value_and_grad`: every term fedbench has) is added after the mapped gradient, over
+  the [k, P] rows at once, in the order autograd would add it (the same bits). SAM's
+  perturbation is the same `SAM.perturbation`, mapped per client; the second gradient is
+  taken at W + eps.
 - Buffers (BatchNorm running statistics, and its step counter) are per-client batched
   inputs of the mapped loss, one contiguous [C, ...] tensor per buffer: the forward updates
   them in place per client, as the sequential loop's forward updates the loaded client's
@@ -81,7 +84,7 @@ from fedbench.engine.plan import (
 from fedbench.engine.schedule import Schedule
 from fedbench.engine.spec import ModelSpec
 from fedbench.engine.store import OptimStates
-from fedbench.engine.terms import Term
+from fedbench.engine.terms import Term, closed_form, values_and_grad
 from fedbench.models.dropout import KeyedDropout, dropout_key, has_keyed_dropout
 
 
@@ -250,6 +253,14 @@ class VmapBackend:
 
             def grad(w, b, x, y, ws, c, key):
                 return by_range(tuple(w[:, a:z] for a, z in ranges), w, b, x, y, ws, c, key)
+        elif terms and closed_form(terms):
+            grad = self._with_terms(
+                vmap(
+                    grad_and_value(self._loss((), objective, frozen)),
+                    in_dims=(0, 0, 0, 0, 0, 0, self.key_dim),
+                ),
+                terms,
+            )
         else:
             grad = vmap(
                 grad_and_value(self._loss(terms, objective, frozen)),
@@ -293,6 +304,28 @@ class VmapBackend:
             for sel, n in self._groups(lens[s][:k], B, exact):
                 step(sel, n, x, y, wt[s], None if K is None else K[s])
         return total / torch.tensor(n_steps, device=dev).clamp(min=1)
+
+    @staticmethod
+    def _with_terms(fn, terms: Sequence[Term]):
+        """`fn(W, ..., *the terms' tensors)` -> (gradient, loss) of the mapped loss without the
+        terms, plus the terms in closed form over the [k, P] rows at once (`Term.value_and_grad`):
+        the same bits as mapping autograd over `_loss(terms)`, whose values it adds in the same
+        order, and whose gradients it sums as autograd does (`terms.values_and_grad`)."""
+        sizes = [len(t.per_client) for t in terms]
+        n = sum(sizes)
+
+        def grad(w, *args):  # fn's own arguments, then the terms' tensors (the last n)
+            g, val = fn(w, *args[: len(args) - n])
+            rows, i = [], len(args) - n
+            for k in sizes:
+                rows.append(args[i : i + k])
+                i += k
+            values, gt = values_and_grad(w, terms, rows)
+            for v in values:
+                val = val + v
+            return g.add_(gt), val
+
+        return grad
 
     def _groups(
         self, lens: list[int], width: int, exact: bool | None = None
@@ -525,7 +558,12 @@ class MappedBatch:
         P, k, B = be.spec.n_params, states.shape[0], self.x.shape[1]
         tensors = [v for t in terms for v in t.tensors()]
         dims = [0 if pc else None for t in terms for pc in t.per_client]
-        fn = be._terms_grad(terms) if terms else be._plain_grad()
+        if not terms:
+            fn = be._plain_grad()
+        elif closed_form(terms):
+            fn = be._with_terms(be._plain_grad(), terms)
+        else:
+            fn = be._terms_grad(terms)
         W, bufs = states[:, :P], be._buffers(states)
         if at is not None:  # SAM's second gradient: at W + at (`states` keeps W)
             W = W + at
