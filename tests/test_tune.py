@@ -424,3 +424,39 @@ def test_a_study_killed_mid_trial_finishes_its_budget_when_run_again(tmp_path):
             assert cfg[section][name] == value
         # each trial's run is the one-line command in its trial.json
         assert trials[0]["commands"][0].startswith(f"fedbench +federation=fmnist_pat2 algo={algo}")
+
+
+@pytest.mark.quick
+def test_exported_records_give_the_winner_and_resume(tmp_path):
+    """scripts/export_studies.sh keeps study.json and each trial.json (no run folders),
+    writes the winner of a study with all its trials from the copied records (its header
+    naming the copy: results/tune/... inside the repository), none for a study still short
+    of trials; a study copied back resumes from its records alone."""
+    optuna_or_skip()
+    src = tmp_path / "tune"
+    done = study(src, algo="fedavg", trials=2, rounds=100)
+    half = study(src, algo="ditto", trials=2, rounds=100)
+    for s, values in ((done, [0.5, 0.75]), (half, [0.25])):
+        s.folder.mkdir(parents=True)
+        tune.check_identity(s)
+        for n, v in enumerate(values):
+            tune.write_trial(s, tune.Trial(n, {"optim.lr": 0.01 * (n + 1)}, "complete", v))
+            (tune.trial_dir(s, n) / "seed_100").mkdir()  # a run folder: not exported
+    dest, tuned = tmp_path / "results" / "tune", tmp_path / "tuned"
+    env = {**ENV, "TRIALS": "2", "TUNED_DIR": str(tuned), "PYTHON": sys.executable}
+    script = REPO / "scripts" / "export_studies.sh"
+    r = subprocess.run(["bash", str(script), str(src), str(dest)], env=env, cwd=tmp_path,
+                       text=True, capture_output=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    kept = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert kept == [
+        "fmnist_pat2/ditto/study.json", "fmnist_pat2/ditto/trial_000/trial.json",
+        "fmnist_pat2/fedavg/study.json", "fmnist_pat2/fedavg/trial_000/trial.json",
+        "fmnist_pat2/fedavg/trial_001/trial.json",
+    ]  # fmt: skip
+    assert not (tuned / "fmnist_pat2" / "ditto.yaml").exists()
+    text = (tuned / "fmnist_pat2" / "fedavg.yaml").read_text()
+    assert "best: trial 2 of 2" in text and f"the study: {dest}/fmnist_pat2/fedavg\n" in text
+    assert yaml.safe_load(text) == {"optim": {"lr": 0.02}}
+    back = study(dest, algo="ditto", trials=2, rounds=100)
+    assert [t.value for t in tune.load_trials(back)] == [0.25]  # resumes from the record
