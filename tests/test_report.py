@@ -265,6 +265,27 @@ def test_cli_final_vs_best_and_stacked_metrics(sweep, capsys):
 
 
 @pytest.mark.quick
+def test_upto_cuts_every_run_at_a_round(sweep, capsys):
+    """--upto N: each run as if it had stopped after round N. fedavg's curves are
+    0.5, 0.9, 0.70-0.78: at N = 1 the last and the best are round 1's 0.5; at N = 2 the best
+    is 0.9 and the last is round 2's; a run without metrics.csv has nothing to cut and
+    counts as failed, with a warning, not summary.json's whole-run numbers."""
+    code, out, _ = run_cli(sweep / "12-00-00", "--upto", "1", capsys=capsys)
+    assert code == 0 and "50.00 ± 0.00" in out and "up to round 1 (--upto)" in out
+    code, out, _ = run_cli(sweep / "12-00-00", "--upto", "2", "--select", "last", capsys=capsys)
+    assert code == 0 and "90.00 ± 0.00" in out and "74.00" not in out
+    code, out, _ = run_cli(sweep / "12-00-00", "--upto", "99", capsys=capsys)
+    assert code == 0 and "74.00 ± 4.00" in out  # past the last round: the whole runs
+    run = next(r for r in find_runs([sweep]) if r.path.name.startswith("1_"))
+    (run.path / "metrics.csv").unlink()
+    code, out, err = run_cli(sweep / "12-00-00", "--upto", "2", capsys=capsys)
+    assert code == 0 and "no metrics.csv to cut at a round" in err
+    assert "90.00 ± 0.00 (1 failed)" in out
+    code, _, err = run_cli(sweep / "12-00-00", "--upto", "x", capsys=capsys)
+    assert code == 2
+
+
+@pytest.mark.quick
 def test_missing_failed_and_na_cells_are_marked(sweep, capsys):
     code, out, err = run_cli(sweep, "--cols", "data", "--metric", "global.all", capsys=capsys)
     assert code == 0, err

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from fedbench.report import presets
@@ -136,6 +137,14 @@ def parser() -> argparse.ArgumentParser:
         "last (or final) = the last; best_test (or best) = the one with the highest test "
         "L.avg (chosen on the test set: optimistic). Default: the runs' eval.select (val "
         "with validation sets), else last, or a preset's own rule with --preset",
+    )
+    p.add_argument(
+        "--upto",
+        type=_rounds,
+        metavar="N",
+        help="each run as if it had stopped after round N: its evaluations after round N "
+        "are left out before --select picks (a table at a smaller budget from the same runs; "
+        "reads metrics.csv)",
     )
     p.add_argument("--format", choices=FORMATS, default="terminal", help="output format")
     p.add_argument(
@@ -318,7 +327,41 @@ def make_table(args: argparse.Namespace, runs: list[RunDir]) -> Table:
             )
     if args.reference:
         compare_to(table, args.reference)
+    if args.upto is not None:
+        table.notes.append(
+            f"up to round {args.upto} (--upto): every run's evaluations after round "
+            f"{args.upto} left out, as if it had stopped there"
+        )
     return table
+
+
+def _rounds(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of rounds") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n}: a round, >= 0")
+    return n
+
+
+def truncated(run: RunDir, upto: int) -> RunDir:
+    """`run` as if it had stopped after round `upto`: its metrics.csv rows up to that round.
+    A run without them (no metrics.csv, or no evaluation by then) counts as failed, with the
+    reason: summary.json's numbers are the whole run's."""
+    if run.failed:
+        return run
+    m = run.metrics
+    why = None
+    if m is None:
+        why = "no metrics.csv to cut at a round (--upto)"
+    elif not (m["round"] <= upto).any():
+        why = f"no evaluation at or before round {upto} (--upto)"
+    if why:
+        return replace(run, problems=[*run.problems, why])
+    cut = replace(run)
+    cut.__dict__["metrics"] = m[m["round"] <= upto].reset_index(drop=True)
+    return cut
 
 
 def check_output_dir(text: str) -> Path:
@@ -461,6 +504,11 @@ def _main(argv: list[str] | None) -> int:
                 "the run counts as failed"
             )
     runs = apply_filters(runs, args.filter)
+    if args.upto is not None:
+        runs = [truncated(r, args.upto) for r in runs]
+        for r in runs:
+            if r.problems and "(--upto)" in r.problems[-1]:
+                _say(f"fedbench-report: warning: {r.path}: {r.problems[-1]}; it counts as failed")
     if args.keys:
         emit(list_keys(runs))
         return 0
