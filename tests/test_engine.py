@@ -228,3 +228,26 @@ def test_engine_train_after_an_evaluation_updates_running_statistics(tiny_fed):
     b = eng.train(s, [0, 1], optim=opt, lr=0.1, batch_size=8, epochs=1).states
     assert torch.equal(a, b)
     assert not torch.equal(a[:, eng.n_params :], s[eng.n_params :].expand(2, -1))
+
+
+@pytest.mark.quick
+def test_a_per_client_mask_is_each_clients_own_call(tiny_fed):
+    """trainable [C, P]: one call trains each client under its own row, to the bit what one
+    call per client with that row as its [P] mask gives (sequential); a frozen entry of a
+    client stays as it was, and a mask with the wrong number of rows is refused."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    eng = Engine(tiny_fed, model, device="cpu", seed=1, backend="sequential")
+    w0 = eng.initial_state()
+    masks = torch.rand(3, eng.n_params, generator=torch.Generator().manual_seed(2)) < 0.5
+    cfg = OptimConfig(lr=0.1, momentum=0.9)
+    kw = dict(optim=cfg, lr=0.1, batch_size=8, epochs=2)
+    one = eng.train(w0, [0, 1, 2], trainable=masks, **kw)
+    for c in range(3):
+        alone = eng.train(w0, [c], trainable=masks[c], **kw)
+        assert torch.equal(alone.states[0], one.states[c])
+        assert torch.equal(alone.loss[0], one.loss[c])
+        frozen = ~masks[c]
+        assert torch.equal(one.states[c, : eng.n_params][frozen], w0[: eng.n_params][frozen])
+    with pytest.raises(ValueError, match="rows"):
+        eng.train(w0, [0, 1], trainable=masks, **kw)

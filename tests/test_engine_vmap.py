@@ -45,6 +45,20 @@ CASES = {
         "trainable": eng.spec.mask(["2.weight", "2.bias"]),
         "optim": OptimConfig(lr=0.1, momentum=0.9, weight_decay=1e-3),
     },
+    "per_client_mask_momentum": lambda eng, w0: {  # FedSpa: each client its own sparse mask
+        "trainable": torch.rand(
+            len(CLIENTS), eng.n_params, generator=torch.Generator().manual_seed(5)
+        )
+        < 0.5,
+        "optim": OptimConfig(lr=0.1, momentum=0.9, weight_decay=1e-3),
+    },  # fmt: skip
+    "per_client_mask_sam": lambda eng, w0: {
+        "trainable": torch.rand(
+            len(CLIENTS), eng.n_params, generator=torch.Generator().manual_seed(6)
+        )
+        < 0.5,
+        "sam": SAM(0.05),
+    },  # fmt: skip
     "nesterov": lambda eng, w0: {"optim": OptimConfig(lr=0.1, momentum=0.9, nesterov=True)},
     "adam": lambda eng, w0: {"optim": OptimConfig(name="adam", lr=1e-2, weight_decay=1e-4)},
     "sam": lambda eng, w0: {"sam": SAM(0.05)},

@@ -109,17 +109,13 @@ class FedSpa(Algorithm):
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
         P = self.engine.n_params
-        res_states, losses = [], []
         m_old = self.masks[idx].clone()  # [C, P] the masks the clients train with
         sent = self.masked(self.w.expand(len(clients), -1), m_old.float())
+        # one call, each client under its own mask (the engine's per-client rows)
+        res = self.local_train(sent, clients, t, trainable=m_old)
         for c, i in enumerate(clients):
-            i = int(i)
-            res = self.local_train(sent[c], [i], t, trainable=m_old[c])
-            s = res.states[0]
-            self.prune_grow(i, s, t)  # the next round's mask; s is uploaded as trained
-            res_states.append(s)
-            losses.append(res.loss[0])
-        up = self.receive(torch.stack(res_states), clients, ref=self.w)
+            self.prune_grow(int(i), res.states[c], t)  # the next round's mask
+        up = self.receive(res.states, clients, ref=self.w)
         m = m_old.float()  # [C, P] averaged over the masks the uploads were trained with
         cnt = m.sum(0)
         new = self.w.clone()
@@ -130,7 +126,7 @@ class FedSpa(Algorithm):
         nnz = int(m_old.sum()) + len(clients) * (self.engine.n_state - P)
         density = float(self.masks.float().mean())
         return RoundReport(
-            torch.stack(losses).mean(), self.comm(clients, up=nnz, down=nnz), {"density": density}
+            res.loss.mean(), self.comm(clients, up=nnz, down=nnz), {"density": density}
         )
 
     def model_size(self) -> dict:

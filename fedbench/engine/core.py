@@ -362,7 +362,8 @@ class Engine:
     ) -> TrainResult:
         """Train each client's state (row c of `states`, client `clients[c]`); return new rows.
 
-        `trainable` is a [P] mask: False entries get no update (frozen layers). Buffers (BN
+        `trainable` is a [P] mask: False entries get no update (frozen layers); or [C, P],
+        row c client c's own (FedSpa's personal sparse masks). Buffers (BN
         running statistics) update during training as in any PyTorch forward. `salt`
         separates batch streams of several phases in one round (e.g. head, then body).
         `slot` names the kept optimizer state (`optim.persist_state`) the clients step with.

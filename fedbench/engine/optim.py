@@ -66,9 +66,10 @@ class Ranges:
 
 def trained_ranges(mask: torch.Tensor | None) -> torch.Tensor | Ranges | None:
     """`mask` as `Ranges` when it trains at most MAX_RANGES contiguous ranges (one host read:
-    call it once per train call, not per step), else the mask itself."""
-    if mask is None:
-        return None
+    call it once per train call, not per step), else the mask itself (always for a
+    per-client [C, P] mask: its rows are stepped as a product)."""
+    if mask is None or mask.dim() != 1:
+        return mask
     on = mask.detach().to("cpu", torch.int8).view(-1)
     edges = torch.diff(on, prepend=on.new_zeros(1), append=on.new_zeros(1)).nonzero()[:, 0]
     if len(edges) > 2 * MAX_RANGES:

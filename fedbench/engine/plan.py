@@ -82,7 +82,8 @@ class TrainPlan:
     """One `Engine.train` call: E epochs (or K steps) of `optim` over each client's batches.
 
     Position c of `clients` is row c of the states, of per-client term tensors and of a
-    per-client SAM scale. `mask` is the [P] float 0/1 form of `trainable` (0: frozen).
+    per-client SAM scale. `mask` is the float 0/1 form of `trainable` (0: frozen): [P], the
+    same for every client, or [C, P], row c client c's (FedSpa's personal sparse masks).
     """
 
     clients: tuple[int, ...]
@@ -108,9 +109,17 @@ class TrainPlan:
         trainable: torch.Tensor | None = None,
         **kw,
     ) -> TrainPlan:
-        """`Engine.train`'s keywords -> a plan (`trainable`, a [P] bool mask, as 0/1 floats)."""
+        """`Engine.train`'s keywords -> a plan (`trainable`, a [P] or [C, P] bool mask, as 0/1
+        floats)."""
         mask = None if trainable is None else trainable.to(torch.get_default_dtype())
+        if mask is not None and mask.dim() == 2 and mask.shape[0] != len(clients):
+            raise ValueError(f"a per-client trainable mask has {mask.shape[0]} rows, not one "
+                             f"per client ({len(clients)})")  # fmt: skip
         return cls(tuple(int(c) for c in clients), terms=tuple(terms), mask=mask, **kw)
+
+    @property
+    def per_client_mask(self) -> bool:
+        return self.mask is not None and self.mask.dim() == 2
 
     def term_rows(self, c: int) -> list[tuple[torch.Tensor, ...]]:
         """The terms' tensors of the client at position c."""

@@ -113,6 +113,8 @@ class SequentialBackend:
         step_mask = trained_ranges(mask)  # one host read per call
         w, g = mod.params, mod.grad
         for c, client in enumerate(clients):
+            if plan.per_client_mask:  # client c's own row
+                mask = step_mask = plan.mask[c]
             mod.load(states[c])
             ost = self.optim_states.get(optim, plan.slot, client, w)
             rows = plan.term_rows(c)

@@ -93,8 +93,9 @@ class ModelSpec:
         """The parameters a [P] 0/1 `mask` freezes whole (every entry 0): their gradient is
         never read (the step leaves them as they are), so a training step need not compute
         it, nor backpropagate through them where nothing upstream trains. Empty without a
-        mask, or where the mask freezes every parameter (a step then has nothing to do)."""
-        if mask is None:
+        mask, or where the mask freezes every parameter (a step then has nothing to do); empty
+        for a per-client [C, P] mask too (each client's own entries train)."""
+        if mask is None or mask.dim() != 1:
             return frozenset()
         trains = torch.stack([mask[e.start : e.stop].amax() for e in self.params]).tolist()
         if not any(trains):

@@ -190,7 +190,8 @@ class VmapBackend:
             draws = [self.schedule.draws_of(plan, clients[c], sched[c][0]) for c in mine]
             keys = [self.schedule.keys_of(plan, clients[c], len(sched[c][1])) for c in mine]
             losses[pos] = self._train_chunk(
-                W, bufs, ost, chunk, draws, optim, plan.lr, plan.terms, step_mask, sam, pos,
+                W, bufs, ost, chunk, draws, optim, plan.lr, plan.terms,
+                step_mask[pos] if plan.per_client_mask else step_mask, sam, pos,
                 plan.objective, frozen, keys,
             )  # fmt: skip
             self.optim_states.keep(optim, plan.slot, ids, ost)
@@ -273,6 +274,7 @@ class VmapBackend:
             scale = scale[rows] if scale_dim == 0 else scale
             perturbation = vmap(sam.perturbation, in_dims=(0, scale_dim))
         total = torch.zeros(C, device=dev)
+        rows_mask = isinstance(mask, torch.Tensor) and mask.dim() == 2  # [C, P]: the chunk's
 
         def step(sel, n: int, x, y, ws, ks) -> None:
             """One step of the clients `sel` (a slice: views, updated in place; an index
@@ -282,14 +284,15 @@ class VmapBackend:
             ts = [v[sel] if d == 0 else v for v, d in zip(tensors, dims)]
             x, y, ws, c = x[sel, :n], y[sel, :n], ws[sel, :n], rows[sel]
             key = None if ks is None else ks[sel]
+            m = mask[sel] if rows_mask else mask  # a per-client mask: these clients' rows
             g, val = grad(w, b, x, y, ws, c, key, *ts)  # g: [k, P], or per trained range
             if sam is not None:
                 e = perturbation(g, scale[sel] if scale_dim == 0 else scale)
-                if mask is not None:
-                    e = e * (mask.mask if isinstance(mask, Ranges) else mask)
+                if m is not None:
+                    e = e * (m.mask if isinstance(m, Ranges) else m)
                 g, _ = grad(w + e, b, x, y, ws, c, key, *ts)
             total[sel] += val
-            step_(optim, w, g, st, lr, mask=mask, consume_grad=True)  # g: this step's own
+            step_(optim, w, g, st, lr, mask=m, consume_grad=True)  # g: this step's own
             if isinstance(sel, torch.Tensor):
                 W[sel] = w
                 for k, v in b.items():
