@@ -319,7 +319,11 @@ FROZEN = (
     "each step's gradient is still assembled over all P entries (the backward of the flat "
     "state's split writes zeros for the frozen ones: one [C, P] write per step)"
 )
-TERMS = "loss terms: autograd over the clients' C x P parameters each step (memory-bound)"
+TERMS = (
+    "loss terms: in closed form, but each step still passes over the clients' [C, P] "
+    "parameters a few times (the terms' values for the reported loss, their gradient, its "
+    "add): memory-bound vector work the pass count does not see"
+)
 HYPERNET = "the hypernetwork's VJP and SGD step over all its H G entries per client (memory-bound)"
 
 ARITHMETIC: dict[str, Arith] = {
@@ -509,9 +513,20 @@ ARITHMETIC: dict[str, Arith] = {
         lambda a, c, t: 1 + a.hp.fusion_epochs / c.E,
         left_out=TERMS + "; server: the per-layer SVD of the nuclear prox",
     ),
+    "fedgh": Arith(
+        "1 + f/E: FedAvg's passes from the global header, then a forward over the data for "
+        "the per-class mean representations",
+        lambda a, c, t: 1 + c.f / c.E,
+        left_out="server: the header's fit on the uploaded representations (C x K rows)",
+    ),
     "fedspa": Arith(
         "1 + B/(E n): masked training, then one batch's gradient for prune-and-grow",
         lambda a, c, t: 1 + c.B / (c.E * c.n),
+        left_out=(
+            "the masked step (a [C, P] product each step) and prune-and-grow: per layer two "
+            "selections of k of its entries per client (kthvalue and masks: several passes "
+            "over [C, P]) and a one-batch gradient per client, one client at a time"
+        ),
     ),
 }
 

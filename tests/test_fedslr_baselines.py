@@ -190,14 +190,14 @@ def test_fedspa_prune_grow_changes_only_the_next_mask():
 
     def spy(*a, **kw):
         res = orig(*a, **kw)
-        trained.append(res.states[0].clone())
+        trained.append(res.states.clone())  # one call: every sampled client's row
         return res
 
     algo.local_train = spy
     w_old = algo.w.clone()
     m_old = algo.masks[torch.as_tensor(clients)].clone()  # [C, P]
     algo.round(0, clients)
-    up = torch.stack(trained)  # [C, D] the trained states
+    (up,) = trained  # [C, D] the trained states
     m_new = algo.masks[torch.as_tensor(clients)]
     assert not torch.equal(m_new, m_old)  # prune-and-grow moved the masks
     m = m_old.float()
@@ -269,3 +269,27 @@ def test_scaffold_refuses_adam():
     """Option II's (x - y) / (K lr) is a mean gradient only for SGD steps."""
     with pytest.raises(ConfigError, match="optim.name=adam"):
         make_algo("scaffold", ["optim.name=adam"])
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("largest", [True, False])
+def test_topk_lowest_index_is_a_stable_sorts_first_k(largest):
+    """Against the full stable sort it replaces, on values with many exact ties (rounded
+    to a few levels, zeros, infinities), for every k from 0 past n."""
+    g = torch.Generator().manual_seed(0)
+    v = torch.round(torch.randn(500, generator=g) * 2) / 2
+    v[::7] = 0.0
+    v[::11] = float("inf")
+    v[::13] = -1.0
+    from fedbench.algorithms._shared import first_k_mask, topk_lowest_index
+
+    ref = torch.sort(v, descending=largest, stable=True).indices
+    for k in (0, 1, 2, 17, 70, 250, 499, 500, 600):
+        assert torch.equal(topk_lowest_index(v, k, largest=largest), ref[:k]), k
+    rows = torch.stack([v, v.flip(0), torch.roll(v, 37)])  # batched: each row its own
+    for k in (0, 1, 70, 499, 500):
+        mask = first_k_mask(rows, k, largest)
+        for r in range(3):
+            want = torch.zeros(500, dtype=torch.bool)
+            want[torch.sort(rows[r], descending=largest, stable=True).indices[:k]] = True
+            assert torch.equal(mask[r], want), (k, r)

@@ -187,13 +187,33 @@ def argmin_lowest(values: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:
     return torch.where(near, idx, values.shape[-1]).min(-1).values
 
 
+def first_k_mask(values: torch.Tensor, k: int, largest: bool = True) -> torch.Tensor:
+    """Bool mask of the first k entries of each row's stable sort (descending with
+    `largest`): the k largest (smallest) of each row of values [..., n], ties to the lowest
+    index. A selection, not a sort: the row's k-th value t (`kthvalue`, exact whatever the
+    kernel's tie order), every entry better than t, and the entries equal to t from the
+    lowest index until there are k. Values without NaN; 0 <= k <= n."""
+    n = values.shape[-1]
+    if k <= 0:
+        return torch.zeros_like(values, dtype=torch.bool)
+    t = torch.kthvalue(values, n - k + 1 if largest else k, dim=-1, keepdim=True).values
+    better = values > t if largest else values < t
+    tied = values == t
+    room = k - better.sum(-1, keepdim=True)
+    return better | (tied & (tied.cumsum(-1) <= room))
+
+
 def topk_lowest_index(values: torch.Tensor, k: int, largest: bool = True) -> torch.Tensor:
     """Indices of the k largest (smallest) entries of a 1-D tensor, ties to the lowest index.
 
     `torch.topk` leaves the order of tied entries to the kernel: the CPU and CUDA pick
     different entries among equal values, so a selection over exact ties (gradients of 0)
-    would make a GPU run differ from a CPU run by a whole choice. A stable sort fixes it."""
-    return torch.sort(values, descending=largest, stable=True).indices[:k]
+    would make a GPU run differ from a CPU run by a whole choice. The answer is the first k
+    of a stable sort (values without NaN), found by `first_k_mask` and then only those k
+    sorted (stably: equal values are in index order)."""
+    k = min(int(k), values.numel())
+    chosen = first_k_mask(values, k, largest).nonzero()[:, 0]
+    return chosen[torch.sort(values[chosen], descending=largest, stable=True).indices]
 
 
 def keyed_generator(*key: int, device: torch.device | str = "cpu") -> torch.Generator:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fedbench.algorithms._about import About
-from fedbench.algorithms._shared import topk_lowest_index
+from fedbench.algorithms._shared import first_k_mask
 from fedbench.algorithms.base import ALGORITHMS, Algorithm, RoundReport
 from fedbench.algorithms.params import fraction, hp
 
@@ -80,31 +80,39 @@ class FedSpa(Algorithm):
         s[..., : self.engine.n_params] *= mask
         return s
 
-    def prune_grow(self, i: int, state: torch.Tensor, t: int) -> None:
-        """Client i's mask update after training, in place on `masks[i]` only (`state`, the
-        trained model, is read, not changed)."""
+    def prune_grow(self, clients, states: torch.Tensor, t: int) -> None:
+        """The clients' mask update after training, in place on their rows of `masks` (row c
+        of `states`, client clients[c]'s trained model, is read, not changed). Per layer each
+        client drops its k smallest active weights and grows its k inactive entries of
+        largest gradient (one batch's), k = alpha_t x its active count, ties to the lowest
+        index (`first_k_mask`); rows with the same k are selected together."""
         rate = self.hp.prune_rate * (1 + math.cos(math.pi * t / self.run.rounds)) / 2
         if rate <= 0:
             return
-        x, y = next(self.engine.batches(i, self.run.batch_size, steps=1, round=t, salt=3))
-        keys = self.engine.dropout_keys(i, 1, round=t, salt=3)  # that batch's dropout masks
-        _, g = self.engine.grad_at(state.clone(), x, y, key=None if keys is None else keys[0])
-        m = self.masks[i]
+        grads = []
+        for c, i in enumerate(clients):
+            i = int(i)
+            x, y = next(self.engine.batches(i, self.run.batch_size, steps=1, round=t, salt=3))
+            keys = self.engine.dropout_keys(i, 1, round=t, salt=3)  # that batch's dropout masks
+            key = None if keys is None else keys[0]
+            grads.append(self.engine.grad_at(states[c].clone(), x, y, key=key)[1])
+        g = torch.stack(grads)
+        idx = torch.as_tensor(clients, device=self.device)
         for e in self.layers:
             sl = slice(e.start, e.stop)
-            mi, wi, gi = m[sl], state[sl], g[sl]
-            k = int(rate * int(mi.sum()))
-            k = min(k, int((~mi).sum()))
-            if k == 0:
-                continue
-            # ties (FMNIST's always-blank border pixels give weights a gradient of exactly 0)
-            # go to the lowest index: topk breaks them one way on the CPU, another on CUDA
-            drop = topk_lowest_index(
-                torch.where(mi, wi.abs(), torch.full_like(wi, float("inf"))), k, largest=False
-            )
-            grow = topk_lowest_index(torch.where(~mi, gi.abs(), torch.full_like(gi, -1.0)), k)
-            mi[drop] = False
-            mi[grow] = True
+            m = self.masks[idx, sl]  # [C, n] a copy
+            on = m.sum(1)
+            ks = torch.minimum((rate * on.double()).floor().long(), m.shape[1] - on).tolist()
+            # FMNIST's always-blank border pixels give weights a gradient of exactly 0: the
+            # ties go to the lowest index (topk breaks them one way on the CPU, another on CUDA)
+            weights = torch.where(m, states[:, sl].abs(), torch.full_like(g[:, sl], float("inf")))
+            grad = torch.where(~m, g[:, sl].abs(), torch.full_like(g[:, sl], -1.0))
+            for k in sorted(set(ks) - {0}):
+                rows = torch.tensor([c for c, kc in enumerate(ks) if kc == k], device=m.device)
+                drop = first_k_mask(weights[rows], k, largest=False)
+                grow = first_k_mask(grad[rows], k)
+                m[rows] = (m[rows] & ~drop) | grow
+            self.masks[idx, sl] = m
 
     def round(self, t: int, clients: np.ndarray) -> RoundReport:
         idx = torch.as_tensor(clients, device=self.device)
@@ -113,8 +121,7 @@ class FedSpa(Algorithm):
         sent = self.masked(self.w.expand(len(clients), -1), m_old.float())
         # one call, each client under its own mask (the engine's per-client rows)
         res = self.local_train(sent, clients, t, trainable=m_old)
-        for c, i in enumerate(clients):
-            self.prune_grow(int(i), res.states[c], t)  # the next round's mask
+        self.prune_grow(clients, res.states, t)  # the next round's masks
         up = self.receive(res.states, clients, ref=self.w)
         m = m_old.float()  # [C, P] averaged over the masks the uploads were trained with
         cnt = m.sum(0)
