@@ -21,7 +21,7 @@ from torch import nn
 
 from fedbench.engine.plan import Objective
 from fedbench.engine.spec import ModelSpec
-from fedbench.engine.terms import Term, closed_form, values_and_grad
+from fedbench.engine.terms import Term, Workspace, closed_form, values_and_grad
 from fedbench.models.dropout import dropout_key
 
 
@@ -32,6 +32,7 @@ class FlatModule:
         self.spec = spec
         self.state = spec.flatten(model).to(device)  # [D]
         self.grad = torch.zeros(spec.n_params, device=device)  # [P]
+        self._workspace = Workspace()  # closed-form terms' [P] buffers, kept across steps
         for e in spec.params:
             p = model.get_parameter(e.name)
             p.data = self.state[e.start : e.stop].view(e.shape)
@@ -69,7 +70,7 @@ class FlatModule:
         form where every term has one: the same bits as autograd's, `terms.values_and_grad`)."""
         w = w.detach()
         if closed_form(terms):
-            values, g = values_and_grad(w, terms, rows)
+            values, g = values_and_grad(w, terms, rows, self._workspace)
             self.grad.add_(g)
             return sum(values)
         wl = w.requires_grad_(True)

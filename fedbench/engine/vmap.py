@@ -84,7 +84,7 @@ from fedbench.engine.plan import (
 from fedbench.engine.schedule import Schedule
 from fedbench.engine.spec import ModelSpec
 from fedbench.engine.store import OptimStates
-from fedbench.engine.terms import Term, closed_form, values_and_grad
+from fedbench.engine.terms import Term, Workspace, closed_form, values_and_grad
 from fedbench.models.dropout import KeyedDropout, dropout_key, has_keyed_dropout
 
 
@@ -261,6 +261,7 @@ class VmapBackend:
                     in_dims=(0, 0, 0, 0, 0, 0, self.key_dim),
                 ),
                 terms,
+                Workspace(),  # this chunk's steps
             )
         else:
             grad = vmap(
@@ -309,11 +310,12 @@ class VmapBackend:
         return total / torch.tensor(n_steps, device=dev).clamp(min=1)
 
     @staticmethod
-    def _with_terms(fn, terms: Sequence[Term]):
+    def _with_terms(fn, terms: Sequence[Term], workspace: Workspace):
         """`fn(W, ..., *the terms' tensors)` -> (gradient, loss) of the mapped loss without the
         terms, plus the terms in closed form over the [k, P] rows at once (`Term.value_and_grad`):
         the same bits as mapping autograd over `_loss(terms)`, whose values it adds in the same
-        order, and whose gradients it sums as autograd does (`terms.values_and_grad`)."""
+        order, and whose gradients it sums as autograd does (`terms.values_and_grad`), in
+        `workspace`'s buffers (kept by the caller for its train call's steps)."""
         sizes = [len(t.per_client) for t in terms]
         n = sum(sizes)
 
@@ -323,7 +325,7 @@ class VmapBackend:
             for k in sizes:
                 rows.append(args[i : i + k])
                 i += k
-            values, gt = values_and_grad(w, terms, rows)
+            values, gt = values_and_grad(w, terms, rows, workspace)
             for v in values:
                 val = val + v
             return g.add_(gt), val
@@ -428,6 +430,7 @@ class VmapBackend:
         kc = self.memory.chunk_size(C, self.memory.client_bytes(rows, B))
         order = sorted(range(C), key=lambda c: -len(sched[c][1]))
         aux: torch.Tensor | None = None
+        workspace = Workspace()  # closed-form terms: buffers for this call's steps
         self.model.train()
         for lo in range(0, C, kc):
             mine = order[lo : lo + kc]
@@ -448,7 +451,8 @@ class VmapBackend:
                 x, y = x.view(k, Bc, *x.shape[1:]), y.view(k, Bc)
                 view = {n: v[:k] for n, v in st.items()}
                 ks = None if K is None else K[s, :k]
-                new, a = step(view, MappedBatch(self, x, y, wt[s, :k], lens[s][:k], s, ks))
+                batch = MappedBatch(self, x, y, wt[s, :k], lens[s][:k], s, ks, workspace)
+                new, a = step(view, batch)
                 write_back(view, new)
                 if a is not None:
                     if aux is None:
@@ -545,10 +549,19 @@ class MappedBatch:
     (None without keyed dropout)."""
 
     def __init__(
-        self, backend: VmapBackend, x, y, wt, lens: list[int], index: int, keys=None
+        self,
+        backend: VmapBackend,
+        x,
+        y,
+        wt,
+        lens: list[int],
+        index: int,
+        keys=None,
+        workspace: Workspace | None = None,
     ) -> None:
         self.backend, self.x, self.y, self.wt, self.lens = backend, x, y, wt, lens
         self.index, self.keys = index, keys
+        self.workspace = workspace or Workspace()  # closed-form terms' buffers
 
     def grad(
         self,
@@ -564,7 +577,7 @@ class MappedBatch:
         if not terms:
             fn = be._plain_grad()
         elif closed_form(terms):
-            fn = be._with_terms(be._plain_grad(), terms)
+            fn = be._with_terms(be._plain_grad(), terms, self.workspace)
         else:
             fn = be._terms_grad(terms)
         W, bufs = states[:, :P], be._buffers(states)
