@@ -372,6 +372,11 @@ ARITHMETIC: dict[str, Arith] = {
     "apfl": Arith(
         "2: per step a forward + backward of w and of theta = alpha v + (1 - alpha) w",
         lambda a, c, t: 2,
+        left_out=(
+            "per step the mixed model alpha v + (1 - alpha) w built elementwise over every "
+            "client's parameters, and its gradient split back (profiled: 10% of its MLP round); "
+            "per round the column gathers between the trainer's layout and the model's"
+        ),
     ),
     "apple": Arith(
         "1 + 4NP/(B pass): the mixture's forward + backward, and per step two N x P products "
@@ -440,7 +445,15 @@ ARITHMETIC: dict[str, Arith] = {
         lambda a, c, t: 1 + c.f / c.E,
     ),
     "fedrod": Arith("~1: body and generic head; the personal head on detached features ~0", _one),
-    "splitgp": Arith("~1: body, server head and the auxiliary head (~0)", _one),
+    "splitgp": Arith(
+        "~1: body, server head and the auxiliary head (~0)",
+        _one,
+        left_out=(
+            "per round the column gathers and scatters of the [C, D] rows between the "
+            "trainer's layout (with the auxiliary head) and the model's, and the body mix "
+            "gamma own + (1 - gamma) mean (profiled: a quarter of its MLP round)"
+        ),
+    ),
     "moon": Arith(
         "1 + 2f: per step two frozen feature forwards (global and previous model)",
         lambda a, c, t: 1 + 2 * c.f,
