@@ -43,7 +43,7 @@ INCIDENTAL = (
     "resume",
     "eval.select",  # which round a table reports is the table's --select, one for all runs
 )
-INCIDENTAL_PREFIXES = ("hydra.", "checkpoint.")
+INCIDENTAL_PREFIXES = ("hydra.", "checkpoint.", "objective.")  # objective: what a sweeper reads
 
 
 def incidental(key: str) -> bool:
@@ -261,7 +261,7 @@ def is_run_dir(path: Path) -> bool:
 # differ only in these are one run twice (an old sweep's `<n>_<overrides>` cell and a later
 # sweep's `<overrides>` cell of the same job, a run copied elsewhere).
 SAME_RUN_IGNORES = ("engine.chunk_clients", "engine.memory_budget")
-SAME_RUN_IGNORES_PREFIXES = ("log.", "objective.")
+SAME_RUN_IGNORES_PREFIXES = ("log.",)
 
 
 def run_identity(run: RunDir) -> tuple | None:
