@@ -27,7 +27,7 @@ import yaml
 
 from conftest import CLI_BACKEND, fmnist_available, needs
 from fedbench.report import presets
-from fedbench.report.cli import main
+from fedbench.report.cli import main, truncated
 from fedbench.report.collect import find_runs, selected
 from fedbench.report.plots import write_plots
 from fedbench.report.table import build, render, values_of
@@ -274,6 +274,8 @@ def test_upto_cuts_every_run_at_a_round(sweep, capsys):
     assert code == 0 and "50.00 ± 0.00" in out and "up to round 1 (--upto)" in out
     code, out, _ = run_cli(sweep / "12-00-00", "--upto", "2", "--select", "last", capsys=capsys)
     assert code == 0 and "90.00 ± 0.00" in out and "74.00" not in out
+    runs = [r for r in find_runs([sweep / "12-00-00"]) if not r.failed]
+    assert {truncated(r, 2).get("rounds") for r in runs} == {2}  # pooled with 2-round runs
     code, out, _ = run_cli(sweep / "12-00-00", "--upto", "99", capsys=capsys)
     assert code == 0 and "74.00 ± 4.00" in out  # past the last round: the whole runs
     run = next(r for r in find_runs([sweep]) if r.path.name.startswith("1_"))

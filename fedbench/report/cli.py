@@ -346,11 +346,15 @@ def _rounds(text: str) -> int:
 
 
 def truncated(run: RunDir, upto: int) -> RunDir:
-    """`run` as if it had stopped after round `upto`: its metrics.csv rows up to that round.
-    A run without them (no metrics.csv, or no evaluation by then) counts as failed, with the
+    """`run` as if it had stopped after round `upto`: its metrics.csv rows up to that round,
+    and `rounds` at most `upto` in its config (it pools with runs of that length). A run
+    without them (no metrics.csv, or no evaluation by then) counts as failed, with the
     reason: summary.json's numbers are the whole run's."""
     if run.failed:
         return run
+    config = dict(run.config)
+    if isinstance(config.get("rounds"), int):  # a longer run cut here is a run of `upto` rounds
+        config["rounds"] = min(config["rounds"], upto)
     m = run.metrics
     why = None
     if m is None:
@@ -358,8 +362,8 @@ def truncated(run: RunDir, upto: int) -> RunDir:
     elif not (m["round"] <= upto).any():
         why = f"no evaluation at or before round {upto} (--upto)"
     if why:
-        return replace(run, problems=[*run.problems, why])
-    cut = replace(run)
+        return replace(run, config=config, problems=[*run.problems, why])
+    cut = replace(run, config=config)
     cut.__dict__["metrics"] = m[m["round"] <= upto].reset_index(drop=True)
     return cut
 
