@@ -34,9 +34,12 @@ declare -A ABOUT=(
   [fedpg_a2_lr]="FedPG under A2 at lr 0.1 and 0.05, and mu_rule=median at 0.1, 2000 rounds"
   [fedslr_mlp]="FedSLR's FMNIST Dir 0.1 run (MLP 784-200-10) and its baselines, 30 and 80 rounds"
   [fedslr_lenet]="FedSLR's FMNIST Dir 0.1 run on LeNet-5 and its baselines, 30 rounds, seeds 0-2"
+  [diversifed_prior]="DiversiFed Table II's Dirichlet prior: Separate at alpha 0.1/0.5/1.0, ones against shares, 25 rounds"
+  [compare_methods]="docs/algorithms.md's side by side: 15 methods at their defaults, FMNIST Dir 0.3, BN LeNet, 50 rounds"
 )
 ORDER="diversifed_t2_fedavg_seeds diversifed_t2_40 diversifed_seeds_40 diversifed_tau
-fedpg_short fedslr_mlp fedslr_lenet pfedme_local_500 apple_norm fedpg_a2_lr"
+fedpg_short fedslr_mlp fedslr_lenet diversifed_prior compare_methods pfedme_local_500 apple_norm
+fedpg_a2_lr"
 
 plan() {  # the sweeps of check $1, each into OUT/$1
   local d="hydra.sweep.dir=$OUT/$1"
@@ -55,6 +58,12 @@ plan() {  # the sweeps of check $1, each into OUT/$1
       sweep "${T2[@]}" algo=diversifed algo.start=own seed=0 rounds=40 "$d"
       sweep "${T2[@]}" algo=diversifed,local optim.persist_state=true seed=0,1,2,3,4 rounds=40 "$d"
       sweep "$T1" algo=fedavg optim.persist_state=true seed=0,1,2 rounds=40 "$d" ;;
+    diversifed_prior)
+      sweep "${T2[0]}" algo=local split.alpha=0.1,0.5,1.0 split.dir_prior=ones,shares seed=0 \
+        rounds=25 "$d" ;;
+    compare_methods)  # scripts/compare_methods.sh's federation and methods, into this folder
+      OUT="$OUT/$1" EXTRA="${EXTRA:-}" DRY_RUN="${DRY_RUN:-}" bash "$ROOT/scripts/compare_methods.sh" \
+        || SWEEPS_FAILED=$((SWEEPS_FAILED + 1)) ;;
     pfedme_local_500)
       sweep "$T1" algo=pfedme algo.eval_model=local seed=0 "$d" ;;
     apple_norm)
