@@ -12,14 +12,14 @@ its recorded config. The check re-runs each cell's first rounds and compares:
   every round) re-run rounds 1-3, FedPG's (every 50) rounds 1-50;
 - the command: the cell's one-line command (its `.hydra/overrides.yaml`) must compose to
   the recorded config today (a changed default moves a cell without touching the code);
-- the rows: every column of the recorded rows but `wall_time_s`. Accuracies (`<model>.<set>.
-  <stat>`, `global.all`) are judged on the means over clients (`avg`, `weighted`, `all`: one
-  flipped test prediction moves them by 1 / the test samples, where it moves a `min` or
-  `max` by a whole client's step), the other numbers (losses, bytes, sizes, counters)
-  relatively. On the machine and torch that made a cell (its summary's `provenance`) every
-  compared column must be equal to the bit; elsewhere within TOLERANCE, measured (docs/
-  reproduction/README.md#pinned-results): a cell without a provenance block (made before
-  fedbench recorded one) is checked within the tolerance.
+- the rows: every column of the recorded rows but the clocks (`wall_time_s`, `cpu_time_s`).
+  Accuracies (`<model>.<set>.<stat>`, `global.all`) are judged on the means over clients
+  (`avg`, `weighted`, `all`: one flipped test prediction moves them by 1 / the test samples,
+  where it moves a `min` or `max` by a whole client's step), the other numbers (losses,
+  bytes, sizes, counters) relatively. On the machine and torch that made a cell (its
+  summary's `provenance`) every compared column must be equal to the bit; elsewhere within
+  TOLERANCE, measured (docs/reproduction/README.md#pinned-results): a cell without a
+  provenance block (made before fedbench recorded one) is checked within the tolerance.
 
 A cell that drifts is a finding: today's code (or config) no longer computes what made the
 published number. The pin is renewed on purpose, `--renew --reason TEXT CELL...`, which
@@ -65,7 +65,7 @@ REL_TOL = 1e-3
 
 ACC = re.compile(r"^[a-z_]+\.(?:[LSG]\.(?:avg|weighted|std|top5|bottom5|min|max)|all)$")
 MEAN = re.compile(r"^[a-z_]+\.(?:[LSG]\.(?:avg|weighted)|all)$")
-IGNORED = ("wall_time_s",)
+IGNORED = ("wall_time_s", "cpu_time_s")
 # Keys of a recorded config that say where or how often a run writes, not what it computes.
 INCIDENTAL = ("checkpoint", "log", "resume", "objective", "data.root", "data.download")
 

@@ -187,6 +187,29 @@ def test_leaderboard_ranks_and_tests_by_hand(board, capsys):
 
 
 @pytest.mark.quick
+def test_seconds_per_round_cpu_then_median_wall(tmp_path):
+    """CPU time over rounds where recorded; else the median wall interval per round, which a
+    pause in one interval does not move; else wall_time_s / rounds."""
+    from fedbench.report.collect import read_run
+    from fedbench.report.leaderboard import seconds_per_round
+
+    write_run(tmp_path, "fa", "fedavg", 0, 0.8, None, tuned="fa")
+    path = tmp_path / "fa" / "fedavg" / "seed=0"
+    # rounds 1..5 at 2 s each, but the job stood still 100 s between rounds 3 and 4
+    wall = [2.0, 4.0, 6.0, 108.0, 110.0]
+    rows = [{"round": t, "wall_time_s": w, "personal.L.avg": 0.8} for t, w in enumerate(wall, 1)]
+    pd.DataFrame(rows).to_csv(path / "metrics.csv", index=False)
+    summary = {"rounds": 5, "wall_time_s": 110.0}
+    (path / "summary.json").write_text(json.dumps(summary))
+    assert seconds_per_round(read_run(path)) == 2.0  # intervals 2 2 102 2: median 2
+    (path / "summary.json").write_text(json.dumps({**summary, "cpu_time_s": 9.0}))
+    assert seconds_per_round(read_run(path)) == pytest.approx(1.8)
+    (path / "metrics.csv").write_text("round,personal.L.avg\n5,0.8\n")
+    (path / "summary.json").write_text(json.dumps(summary))
+    assert seconds_per_round(read_run(path)) == 22.0
+
+
+@pytest.mark.quick
 def test_leaderboard_federation_columns_by_hand(board, capsys):
     csv_text = report(board, capsys, "--format", "csv")
     fa = by_method(csv_text, "fa").set_index(["method", "column"])
@@ -194,7 +217,7 @@ def test_leaderboard_federation_columns_by_hand(board, capsys):
     assert fa.loc[("ditto", "bottom 5%"), "mean"] == pytest.approx(74.0)
     assert fa.loc[("ditto", "global"), "mean"] == pytest.approx(50.5)  # its own V round: 2
     assert fa.loc[("local", "global"), "status"] == "n/a"
-    assert fa.loc[("fedavg", "s / round"), "mean"] == 2.0  # 4 s over 2 rounds
+    assert fa.loc[("fedavg", "s / round"), "mean"] == 2.0  # 2 s between its rows
     assert fa.loc[("fedavg", "MB / round"), "mean"] == 1.5
     diffs = [0.85 - 0.70, 0.83 - 0.72]  # ditto - fedavg, per seed
     iv = paired_interval(diffs, default_method())

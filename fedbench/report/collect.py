@@ -366,7 +366,7 @@ SETS = ("L", "S", "G")  # the test sets (FedPG's L / S / G)
 VAL = "V"  # the clients' validation sets (split.val_frac > 0)
 ACC_SETS = (*SETS, VAL)
 STATS = ("avg", "weighted", "std", "top5", "bottom5", "min", "max")
-RUN_METRICS = ("train_loss", "bytes_up", "bytes_down", "wall_time_s")
+RUN_METRICS = ("train_loss", "bytes_up", "bytes_down", "wall_time_s", "cpu_time_s")
 _ACCURACY = re.compile(
     rf"^({'|'.join(KINDS)})\.({'|'.join(ACC_SETS)})\.({'|'.join(STATS)})$|^global\.all$"
     rf"|^({'|'.join(KINDS)})\.LSG$"

@@ -21,13 +21,17 @@ the run's Hydra choices). The report prints:
   communication and time (tradeoff.png).
 
 An algorithm without a personalized model is scored by its global model (marked). Seconds
-per round are the runs' wall clock (training and evaluation, summary.json's wall_time_s over
-the rounds): they depend on the machine and its load, and compare only runs made alike.
+per round are the runs' CPU time over their rounds (training and evaluation, summary.json's
+cpu_time_s: the process's, every thread's); for a run that did not record it, the median of
+its wall clock per round between metrics rows (see seconds_per_round). CPU time does not
+count the turns of other processes on a shared machine, but depends on the machine, and
+compares only runs made alike (the same threads).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import cache
@@ -95,8 +99,6 @@ def run_values(run: RunDir, select: str) -> RunValues:
         kind = "global"  # no personalized model at all (not: no validation round)
         acc = selected(run, "global.L.avg", select)[1]
     summary = run.summary or {}
-    rounds = _number(summary.get("rounds"))
-    wall = _number(summary.get("wall_time_s"))
     mb = _number((summary.get("size") or {}).get("comm_MB"))
     if mb is None and run.metrics is not None and "comm_MB" in run.metrics:
         mb = (
@@ -110,9 +112,30 @@ def run_values(run: RunDir, select: str) -> RunValues:
         acc=acc,
         bottom5=selected(run, f"{kind}.L.bottom5", select)[1],
         glob=selected(run, "global.L.avg", select)[1],
-        s_round=None if wall is None or not rounds else wall / rounds,
+        s_round=seconds_per_round(run),
         mb_round=mb,
     )
+
+
+def seconds_per_round(run: RunDir) -> float | None:
+    """CPU seconds per round where the run recorded them (summary.json's cpu_time_s: what the
+    run cost whatever else shared the machine); else the median over its metrics.csv rows of
+    wall seconds per round between two rows, so that a pause (a suspended job, another
+    process on its core) moves one interval, not the figure; else wall_time_s / rounds."""
+    summary = run.summary or {}
+    rounds = _number(summary.get("rounds"))
+    cpu = _number(summary.get("cpu_time_s"))
+    if cpu is not None and rounds:
+        return cpu / rounds
+    m = run.metrics
+    if m is not None and {"round", "wall_time_s"} <= set(m.columns):
+        rows = m[["round", "wall_time_s"]].dropna().drop_duplicates("round").sort_values("round")
+        dr, dt = rows["round"].diff().iloc[1:], rows["wall_time_s"].diff().iloc[1:]
+        rates = (dt[dr > 0] / dr[dr > 0]).tolist()
+        if rates:
+            return float(statistics.median(rates))
+    wall = _number(summary.get("wall_time_s"))
+    return None if wall is None or not rounds else wall / rounds
 
 
 @cache
@@ -423,6 +446,15 @@ class LeaderboardPreset:
             else "paired bootstrap over seeds (scipy not installed)"
         )
         table.notes.append(f"vs FedAvg / vs Local: {how}; '—' where a seed has no pair")
+        runs = [r for (a, f), g in groups.items() if f == fed for r in g.runs if not r.failed]
+        cpu = sum("cpu_time_s" in (r.summary or {}) for r in runs)
+        table.notes.append(
+            "s / round: CPU seconds per round (summary.json's cpu_time_s over the rounds: "
+            "what a run costs whatever else shared the machine)"
+            + ("" if cpu == len(runs) else f"; {len(runs) - cpu} of {len(runs)} runs recorded "
+               "no CPU time: for them the median over their metrics rows of wall seconds per "
+               "round (a pause moves one interval, not the median)")
+        )  # fmt: skip
         return table
 
     def _notes(self, groups, ranks: Ranking, unmatched, feds) -> list[str]:

@@ -241,7 +241,10 @@ class Run:
         sinks.start(plain(self.cfg), self.out, bool(rc.resume))
         comm = st["comm"]
         t0 = time.perf_counter() - st["elapsed_s"]
-        rec = Recorder(self.out, rc, self.built, st, sinks, t0, self.tuning)
+        # CPU seconds, beside the wall clock: what a run costs whatever else shares the
+        # machine (a run begun by an older fedbench, resumed, records none)
+        c0 = None if "cpu_s" not in st else time.process_time() - st["cpu_s"]
+        rec = Recorder(self.out, rc, self.built, st, sinks, t0, self.tuning, c0)
         stop_at = rounds if until is None else min(int(until), rounds)
         bar = tqdm(
             range(st["next_round"], stop_at),
@@ -272,6 +275,8 @@ class Run:
                 due = ckpt_every and ((t + 1) % ckpt_every == 0 or t + 1 in (rounds, stop_at))
                 if due or stop.signum:
                     st["elapsed_s"] = time.perf_counter() - t0
+                    if c0 is not None:
+                        st["cpu_s"] = time.process_time() - c0
                     self.checkpoint.save(st, rec.metrics, rec.clients)
                     stop.checkpoint_round = t + 1
                 if t + 1 == rounds:

@@ -42,6 +42,9 @@ class Progress(TypedDict, total=False):
 
     next_round: int  # rounds done
     elapsed_s: float  # wall time of the rounds done, over every process of the run
+    # CPU time of the rounds done (the process's, all its threads), over every process of the
+    # run; absent in a run begun before fedbench recorded it (it then records none)
+    cpu_s: float
     comm: dict[str, int]  # bytes_up, bytes_down summed over the rounds done
     best: dict | None  # the evaluation with the best L avg (personal where there is one)
     best_val: dict | None  # the evaluation with the best V avg (split.val_frac > 0)
@@ -60,6 +63,7 @@ def new_progress() -> Progress:
     return {
         "next_round": 0,
         "elapsed_s": 0.0,
+        "cpu_s": 0.0,
         "comm": {"bytes_up": 0, "bytes_down": 0},
         "best": None,
         "best_val": None,  # the evaluation with the best V avg (split.val_frac > 0)
@@ -106,9 +110,11 @@ class Recorder:
         sinks: Sinks,
         t0: float,
         tuning: bool = False,
+        c0: float | None = None,
     ) -> None:
         self.out, self.config, self.built = out, rc, b
         self.progress, self.sinks, self.t0, self.tuning = progress, sinks, t0, tuning
+        self.c0 = c0  # the CPU clock's origin (time.process_time), None: not recorded
         self.metrics = _appender(out / "metrics.csv", progress["metrics_csv"])
         self.clients = _clients_appender(out / "clients.csv", progress["clients_len"])
 
@@ -121,6 +127,8 @@ class Recorder:
         st = self.progress
         summ = summaries(res)
         row = {"round": done, "wall_time_s": time.perf_counter() - self.t0}
+        if self.c0 is not None:
+            row["cpu_time_s"] = time.process_time() - self.c0
         row["train_loss"] = loss
         row.update(st["comm"])
         row.update(diagnostics(report))
@@ -153,6 +161,7 @@ class Recorder:
             "clients": b.fed.num_clients,
             "participation": rc.participation,
             "wall_time_s": round(wall, 3),
+            **({} if self.c0 is None else {"cpu_time_s": round(time.process_time() - self.c0, 3)}),
             "device": str(b.device),
             "version": fedbench.__version__,
             "final": st["final"],
