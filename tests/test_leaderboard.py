@@ -210,6 +210,20 @@ def test_seconds_per_round_cpu_then_median_wall(tmp_path):
 
 
 @pytest.mark.quick
+def test_exported_cell_keeps_its_federation_from_overrides(board, capsys):
+    """scripts/export_results.sh keeps config.yaml and overrides.yaml, not hydra.yaml: the
+    federation and the tuned values come from the overrides, and the board is the same."""
+    before = report(board, capsys, "--format", "csv")
+    for hydra in board.glob("*/*/*/.hydra/hydra.yaml"):
+        fed, algo = hydra.parents[3].name, hydra.parents[2].name
+        tuned = "none" if algo == "local" else fed
+        ov = [f"+federation={fed}", f"tuned={tuned}", f"algo={algo}", "seed=0"]
+        (hydra.parent / "overrides.yaml").write_text(yaml.safe_dump(ov))
+        hydra.unlink()
+    assert report(board, capsys, "--format", "csv") == before
+
+
+@pytest.mark.quick
 def test_leaderboard_federation_columns_by_hand(board, capsys):
     csv_text = report(board, capsys, "--format", "csv")
     fa = by_method(csv_text, "fa").set_index(["method", "column"])

@@ -207,7 +207,9 @@ def read_run(path: str | os.PathLike) -> RunDir:
                 config[k] = summary[k]
                 if k in ALIASES:
                     config[ALIASES[k]] = summary[k]
-    for group, option in hydra_choices(path / ".hydra" / "hydra.yaml").items():
+    choices = {**override_choices(path / ".hydra" / "overrides.yaml"),
+               **hydra_choices(path / ".hydra" / "hydra.yaml")}  # fmt: skip
+    for group, option in choices.items():
         config.setdefault(group, option)  # the named federation and tuned values chosen
     per_round = clients_per_round(config.get("participation"), config.get("clients"))
     if per_round is not None:
@@ -249,6 +251,22 @@ def hydra_choices(path: Path) -> dict[str, str]:
             break
         key, value = m.group(1), m.group(2).strip()
         if key in CHOICE_KEYS and value not in ("null", "''"):
+            out[key] = value
+    return out
+
+
+def override_choices(path: Path) -> dict[str, str]:
+    """CHOICE_KEYS' options from the run's command-line overrides (`.hydra/overrides.yaml`:
+    `+federation=fmnist_pat2`, `tuned=fmnist_pat2`), for a run copied without its hydra.yaml
+    (scripts/export_results.sh keeps config and overrides only). {} when absent or unreadable."""
+    try:
+        items = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    out: dict[str, str] = {}
+    for item in items if isinstance(items, list) else ():
+        key, sep, value = str(item).lstrip("+~").partition("=")
+        if sep and key in CHOICE_KEYS and value not in ("null", ""):
             out[key] = value
     return out
 
