@@ -39,12 +39,15 @@ Bad input is one line on stderr and exit code 2, before anything is written.
 from __future__ import annotations
 
 import argparse
+import csv
 import ctypes
 import datetime as _dt
+import itertools
 import json
 import math
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -240,9 +243,12 @@ class Trial:
     error: str | None = None
     started: str = ""
     ended: str | None = None
+    # what its runs took, summed over its seeds (summary.json): {"wall": s, "cpu": s}, the
+    # CPU time where every run recorded it; {} for a trial recorded before fedbench kept it
+    seconds: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "number": self.number,
             "state": self.state,
             "params": self.params,
@@ -253,6 +259,9 @@ class Trial:
             "started": self.started,
             "ended": self.ended,
         }
+        if self.seconds:
+            out["seconds"] = self.seconds
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Trial:
@@ -266,6 +275,7 @@ class Trial:
             error=obj.get("error"),
             started=str(obj.get("started") or ""),
             ended=obj.get("ended"),
+            seconds={str(k): float(v) for k, v in (obj.get("seconds") or {}).items()},
         )
         if trial.state not in STATES:
             raise ValueError(f"state {trial.state!r}")
@@ -396,6 +406,7 @@ class RunOutcome:
     value: float | None
     metric: str | None
     error: str | None  # the run failed (error.txt)
+    seconds: dict[str, float] = field(default_factory=dict)  # its summary's wall / cpu time
 
 
 def run_one(study: Study, trial: Trial, seed: int, quiet: bool) -> RunOutcome:
@@ -440,9 +451,62 @@ def run_one(study: Study, trial: Trial, seed: int, quiet: bool) -> RunOutcome:
     except (OSError, ValueError, KeyError, TypeError) as e:
         return RunOutcome(seed, None, None, f"no objective in {where}/summary.json ({e})")
     value = obj.get("value")
+    secs = run_seconds(summary)
     if not isinstance(value, int | float) or not math.isfinite(value):
-        return RunOutcome(seed, None, obj.get("metric"), f"objective {obj.get('metric')}: no value")
-    return RunOutcome(seed, float(value), str(obj.get("metric")), None)
+        why = f"objective {obj.get('metric')}: no value"
+        return RunOutcome(seed, None, obj.get("metric"), why, secs)
+    return RunOutcome(seed, float(value), str(obj.get("metric")), None, secs)
+
+
+def run_seconds(summary: Any) -> dict[str, float]:
+    """{"wall": ..., "cpu": ...} of a run's summary.json (the keys it has)."""
+    out = {}
+    for key, name in (("wall_time_s", "wall"), ("cpu_time_s", "cpu")):
+        v = summary.get(key) if isinstance(summary, dict) else None
+        if isinstance(v, int | float) and math.isfinite(v):
+            out[name] = float(v)
+    return out
+
+
+def sum_seconds(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The runs' times summed: each clock only where every run has it."""
+    if not parts:
+        return {}
+    return {k: sum(p[k] for p in parts) for k in ("wall", "cpu") if all(k in p for p in parts)}
+
+
+def trial_seconds(study: Study, trial: Trial) -> dict[str, float]:
+    """What the trial's runs took: its record's, else its run folders' summaries (a trial
+    recorded before fedbench kept the time, its runs still on disk), else {}."""
+    if trial.seconds:
+        return trial.seconds
+    parts = []
+    for seed in study.seeds:
+        where = run_dir(study, trial.number, seed)
+        try:
+            summary = json.loads((where / "summary.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        secs = run_seconds(summary)
+        rounds = summary.get("rounds") if isinstance(summary, dict) else None
+        steady = _median_round_s(where / "metrics.csv")
+        if "cpu" not in secs and steady is not None and isinstance(rounds, int):
+            # no CPU time: the median wall seconds per round between metrics rows, times the
+            # rounds (a paused run's wall clock counts its pause)
+            secs["wall"] = min(secs.get("wall", math.inf), steady * rounds)
+        parts.append(secs)
+    return sum_seconds(parts)
+
+
+def _median_round_s(path: Path) -> float | None:
+    """The median over a run's metrics.csv rows of wall seconds per round between two rows."""
+    try:
+        with path.open(newline="") as f:
+            rows = [(float(r["round"]), float(r["wall_time_s"])) for r in csv.DictReader(f)]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    rates = [(w1 - w0) / (r1 - r0) for (r0, w0), (r1, w1) in itertools.pairwise(rows) if r1 > r0]
+    return statistics.median(rates) if rates else None
 
 
 def run_trial(study: Study, trial: Trial, quiet: bool = False) -> Trial:
@@ -452,6 +516,7 @@ def run_trial(study: Study, trial: Trial, quiet: bool = False) -> Trial:
     errors = [f"seed {o.seed}: {o.error}" for o in outcomes if o.error]
     trial.values = {str(o.seed): o.value for o in outcomes if o.value is not None}
     trial.metric = next((o.metric for o in outcomes if o.metric), None)
+    trial.seconds = sum_seconds([o.seconds for o in outcomes if o.seconds])
     if errors:
         trial.state, trial.value, trial.error = "failed", None, "; ".join(errors)
     else:
@@ -708,6 +773,14 @@ def status_line(study: Study) -> str:
         parts.append(f"trial {running[0]} interrupted (resumes)")
     if best:
         parts.append(f"best {best.value:.4f} (trial {best.number + 1})")
+    finished = [t for t in trials if t.state != "running"]
+    times = [trial_seconds(study, t) for t in finished]
+    if finished and all(times):
+        clock = "cpu" if all("cpu" in t for t in times) else "wall"
+        total = sum(t.get(clock, t.get("wall", 0.0)) for t in times)
+        parts.append(f"runs took {total / 60:.1f} min ({clock}, {len(times)} trials)")
+    elif finished:
+        parts.append(f"runs' time known for {sum(map(bool, times))} of {len(finished)} trials")
     return f"{study.algo}: " + ", ".join(parts)
 
 

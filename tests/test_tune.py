@@ -200,7 +200,8 @@ os.makedirs(where, exist_ok=True)
 act = os.environ["FAKE"]
 if act == "ok":
     obj = {"metric": "personal.V.avg", "value": 0.25 + 0.5 * ("seed=101" in sys.argv)}
-    json.dump({"objective": obj}, open(os.path.join(where, "summary.json"), "w"))
+    times = {"wall_time_s": 30.0, "cpu_time_s": 24.0 + 6 * ("seed=101" in sys.argv)}
+    json.dump({"objective": obj, **times}, open(os.path.join(where, "summary.json"), "w"))
 elif act == "fail":
     open(os.path.join(where, "error.txt"), "w").write("loss is NaN at round 3\\nmore\\n")
     sys.exit(1)
@@ -226,6 +227,10 @@ def test_a_trials_runs_end_as_complete_failed_refused_or_interrupted(tmp_path, m
         assert (done.state, done.value) == ("complete", 0.5)
         assert done.values == {"100": 0.25, "101": 0.75}
         assert json.loads((s.folder / "trial_000" / "trial.json").read_text())["value"] == 0.5
+        # what its runs took, summed over the seeds, in the record and the status line
+        assert done.seconds == {"wall": 60.0, "cpu": 54.0}
+        tune.check_identity(s)  # writes study.json
+        assert "runs took 0.9 min (cpu, 1 trials)" in tune.status_line(s)
     elif act == "fail":
         done = tune.run_trial(s, trial, quiet=True)
         assert done.state == "failed" and done.value is None
