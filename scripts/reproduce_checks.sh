@@ -22,6 +22,12 @@ T1="+experiment=diversifed_table1_fmnist"
 T2=("+experiment=diversifed_table2_fmnist" "split.alpha=0.1")
 SLR="+experiment=fedslr_fmnist_dir"
 LENET=("model=cnn" "model.preset=lenet" "~model.hidden")
+# scripts/compare_methods.sh's federation (FMNIST, 20 clients, Dir(0.3 * 1) per client, 300 / 100
+# samples, every client every round, E = 1, batch 10), without its model
+DIR03=(data=fmnist clients=20 split=dir split.dir_mode=per_client split.dir_prior=ones
+  split.alpha=0.3 split.train_per_client=300 split.test_per_client=100 participation=1.0
+  local_epochs=1 batch_size=10 eval.every=5)
+MLP64=(model=mlp "model.hidden=[64]")
 
 declare -A ABOUT=(
   [diversifed_t2_fedavg_seeds]="DiversiFed Table II FMNIST Dir 0.1: FedAvg seeds 1-2 at 500 rounds (seed 0 is the table's)"
@@ -36,9 +42,11 @@ declare -A ABOUT=(
   [fedslr_lenet]="FedSLR's FMNIST Dir 0.1 run on LeNet-5 and its baselines, 30 rounds, seeds 0-2"
   [diversifed_prior]="DiversiFed Table II's Dirichlet prior: Separate at alpha 0.1/0.5/1.0, ones against shares, 25 rounds"
   [compare_methods]="docs/algorithms.md's side by side: 15 methods at their defaults, FMNIST Dir 0.3, BN LeNet, 50 rounds"
+  [method_settings]="docs/algorithms.md's notes: MOON's mu, FedCP's lambda, FedDBE's kappa, pFedLA's sign, FMNIST Dir 0.3, 20 rounds"
 )
 ORDER="diversifed_t2_fedavg_seeds diversifed_t2_40 diversifed_seeds_40 diversifed_tau
-fedpg_short fedslr_mlp fedslr_lenet diversifed_prior compare_methods pfedme_local_500 apple_norm
+fedpg_short fedslr_mlp fedslr_lenet diversifed_prior compare_methods method_settings
+pfedme_local_500 apple_norm
 fedpg_a2_lr"
 
 plan() {  # the sweeps of check $1, each into OUT/$1
@@ -80,6 +88,15 @@ plan() {  # the sweeps of check $1, each into OUT/$1
         algo=fedavg optim.lr=0.05 local_epochs=1 rounds=40 eval.every=10 seed=0 "$d"
       sweep +experiment=fedpg_table3_fmnist_clean algo=local optim.lr=0.05 local_epochs=1 \
         rounds=40 eval.every=10 seed=0 "$d" ;;
+    method_settings)  # each at the defaults but the named keys, 20 rounds, seed 0
+      sweep "${DIR03[@]}" model=cnn model.preset=lenet model.norm=batch algo=moon algo.mu=1,5 \
+        optim.lr=0.05 rounds=20 seed=0 "$d"
+      sweep "${DIR03[@]}" "${MLP64[@]}" algo=fedcp algo.lam=0,5 optim.lr=0.05 rounds=20 seed=0 "$d"
+      sweep "${DIR03[@]}" "${MLP64[@]}" algo=fedcp algo.lam=5 optim.lr=0.01 rounds=20 seed=0 "$d"
+      sweep "${DIR03[@]}" "${MLP64[@]}" algo=feddbe algo.kappa=0,50 optim.lr=0.05 rounds=20 \
+        seed=0 "$d"
+      sweep "${DIR03[@]}" "${MLP64[@]}" algo=pfedla algo.hn_lr=0.005,10 \
+        algo.delta=sent_minus_trained,trained_minus_sent optim.lr=0.05 rounds=20 seed=0 "$d" ;;
     fedpg_a2_lr)
       sweep +experiment=fedpg_table3_fmnist_a2 algo=fedpg optim.lr=0.1,0.05 seed=0 "$d"
       sweep +experiment=fedpg_table3_fmnist_a2 algo=fedpg algo.mu_rule=median optim.lr=0.1 \
