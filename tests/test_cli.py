@@ -263,6 +263,26 @@ def test_one_cell_command_is_the_table_scripts_run(script, table, preset, algo, 
 
 
 @pytest.mark.quick
+def test_every_named_check_composes_and_lists():
+    """scripts/reproduce_checks.sh: --list names every check; each check's sweeps (DRY_RUN)
+    compose as fedbench configs (their first cells), into the check's own folder; an unknown
+    check is one line and exit 2."""
+    r = subprocess.run(["bash", str(REPO / "scripts" / "reproduce_checks.sh"), "--list"],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    checks = [ln.split()[0] for ln in r.stdout.splitlines()]
+    assert r.returncode == 0 and {"compare_methods", "method_settings"} <= set(checks)
+    for check in checks:
+        cells = script_cells("reproduce_checks.sh", check)
+        assert cells, check
+        for args in cells:
+            assert any(a.startswith("hydra.sweep.dir=") and check in a for a in args), args
+            compose(first_job(args))
+    r = subprocess.run(["bash", str(REPO / "scripts" / "reproduce_checks.sh"), "nope"],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown check nope" in r.stderr
+
+
+@pytest.mark.quick
 def test_paper_method_settings_come_with_the_preset():
     from omegaconf import OmegaConf
 
