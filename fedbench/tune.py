@@ -774,13 +774,15 @@ def status_line(study: Study) -> str:
     if best:
         parts.append(f"best {best.value:.4f} (trial {best.number + 1})")
     finished = [t for t in trials if t.state != "running"]
-    times = [trial_seconds(study, t) for t in finished]
-    if finished and all(times):
+    times = [x for x in (trial_seconds(study, t) for t in finished) if x]
+    if times:
+        # a failed run wrote no summary: its time is not known, the rest is summed
         clock = "cpu" if all("cpu" in t for t in times) else "wall"
         total = sum(t.get(clock, t.get("wall", 0.0)) for t in times)
-        parts.append(f"runs took {total / 60:.1f} min ({clock}, {len(times)} trials)")
-    elif finished:
-        parts.append(f"runs' time known for {sum(map(bool, times))} of {len(finished)} trials")
+        known = f"{len(times)} trials" + (
+            "" if len(times) == len(finished) else f" of {len(finished)}: a failed run has no time"
+        )
+        parts.append(f"runs took {total / 60:.1f} min ({clock}, {known})")
     return f"{study.algo}: " + ", ".join(parts)
 
 
