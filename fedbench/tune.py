@@ -39,15 +39,12 @@ Bad input is one line on stderr and exit code 2, before anything is written.
 from __future__ import annotations
 
 import argparse
-import csv
 import ctypes
 import datetime as _dt
-import itertools
 import json
 import math
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -480,33 +477,23 @@ def trial_seconds(study: Study, trial: Trial) -> dict[str, float]:
     recorded before fedbench kept the time, its runs still on disk), else {}."""
     if trial.seconds:
         return trial.seconds
+    from fedbench.report.collect import read_run
+    from fedbench.report.leaderboard import seconds_per_round
+
     parts = []
     for seed in study.seeds:
-        where = run_dir(study, trial.number, seed)
-        try:
-            summary = json.loads((where / "summary.json").read_text())
-        except (OSError, ValueError):
+        run = read_run(run_dir(study, trial.number, seed))
+        if run.summary is None:
             return {}
-        secs = run_seconds(summary)
-        rounds = summary.get("rounds") if isinstance(summary, dict) else None
-        steady = _median_round_s(where / "metrics.csv")
+        secs = run_seconds(run.summary)
+        rounds = run.summary.get("rounds")
+        steady = seconds_per_round(run)
         if "cpu" not in secs and steady is not None and isinstance(rounds, int):
             # no CPU time: the median wall seconds per round between metrics rows, times the
             # rounds (a paused run's wall clock counts its pause)
             secs["wall"] = min(secs.get("wall", math.inf), steady * rounds)
         parts.append(secs)
     return sum_seconds(parts)
-
-
-def _median_round_s(path: Path) -> float | None:
-    """The median over a run's metrics.csv rows of wall seconds per round between two rows."""
-    try:
-        with path.open(newline="") as f:
-            rows = [(float(r["round"]), float(r["wall_time_s"])) for r in csv.DictReader(f)]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    rates = [(w1 - w0) / (r1 - r0) for (r0, w0), (r1, w1) in itertools.pairwise(rows) if r1 > r0]
-    return statistics.median(rates) if rates else None
 
 
 def run_trial(study: Study, trial: Trial, quiet: bool = False) -> Trial:
