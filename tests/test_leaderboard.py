@@ -263,9 +263,22 @@ def test_leaderboard_markdown_and_figures(board, capsys):
     cd = ranking.q_alpha(3) * math.sqrt(12 / 24)
     assert f"CD = {cd:.2f}" in texts and "ditto (1.25)" in texts and "fedavg (2.50)" in texts
     panels = figures["tradeoff"].axes
-    assert [ax.get_title() for ax in panels] == ["fa", "fa", "fb", "fb"]
+    assert [ax.get_title().split(":")[0] for ax in panels] == ["fa", "fa", "fb", "fb"]
     assert sum(len(ax.lines) > 0 for ax in panels) == 4  # a point per method and panel
     assert "not shown (0): " not in " ".join(t.get_text() for ax in panels for t in ax.texts)
+    (legend,) = figures["tradeoff"].legends  # every method named once, whatever is labelled
+    assert sorted(t.get_text() for t in legend.get_texts()) == ["ditto", "fedavg", "local"]
+    for ax in panels:  # labels: Pareto-front methods only
+        assert {t.get_text() for t in ax.texts} <= {"ditto", "fedavg", "local"}
+
+
+@pytest.mark.quick
+def test_pareto_front_keeps_what_nothing_cheaper_beats():
+    from fedbench.report.leaderboard import pareto
+
+    pts = {"a": (1.0, 90.0), "b": (2.0, 95.0), "c": (2.0, 93.0), "d": (3.0, 94.0),
+           "e": (0.5, 80.0), "f": (4.0, 96.0), "g": (1.0, 90.0)}  # fmt: skip
+    assert pareto(pts) == ["e", "a", "b", "f"]  # g ties a: the first name only
 
 
 @pytest.mark.quick

@@ -589,24 +589,62 @@ def draw_cd(ranks: Ranking):
     return fig
 
 
+def pareto(points: dict[str, tuple[float, float]]) -> list[str]:
+    """The names whose (cost, accuracy) no other point beats: none as cheap or cheaper that
+    is more accurate, nor cheaper and as accurate. Cheapest first."""
+    front, best = [], -math.inf
+    for name, (_cost, acc) in sorted(points.items(), key=lambda kv: (kv[1][0], -kv[1][1], kv[0])):
+        if acc > best:
+            front.append(name)
+            best = acc
+    return front
+
+
+def _label_without_overlap(fig, ax, names: list[str], points: dict[str, tuple[float, float]]):
+    """Annotate `names` in order, each only where its label overlaps no label placed before
+    (a crowded cluster of 40 methods would otherwise be unreadable; the legend names every
+    point). Returns the names left unlabelled."""
+    renderer = fig.canvas.get_renderer()
+    placed, skipped = [], []
+    for name in names:
+        text = ax.annotate(name, points[name], textcoords="offset points", xytext=(4, 3),
+                           fontsize=7)  # fmt: skip
+        box = text.get_window_extent(renderer).expanded(1.05, 1.1)
+        if any(box.overlaps(b) for b in placed):
+            text.remove()
+            skipped.append(name)
+        else:
+            placed.append(box)
+    return skipped
+
+
 def draw_tradeoff(groups: dict[tuple[str, str], Group], feds: list[str], digits: int):
     """Accuracy against MB per round and against seconds per round, one row of panels per
-    federation: a point per algorithm (mean over seeds, bar ± std of the accuracy)."""
+    federation: a point per algorithm (mean over seeds, bar ± std of the accuracy), each
+    method with its own colour and marker (the legend), and the methods on each panel's
+    Pareto front (no method cheaper and more accurate) labelled on the plot."""
     from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import NullFormatter
 
-    fig = Figure(figsize=(12, 4.6 * len(feds)), layout="constrained")
-    axes = fig.subplots(len(feds), 2, squeeze=False)
     algos = sorted({a for a, _ in groups})
+    fig = Figure(figsize=(12, 4.6 * len(feds) + 0.25 * math.ceil(len(algos) / 8) + 0.4),
+                 layout="constrained")  # fmt: skip
+    FigureCanvasAgg(fig)  # a renderer to measure the labels with
+    axes = fig.subplots(len(feds), 2, squeeze=False)
     cmap = colormaps["tab20"]
-    drawn = False
+    style = {a: (cmap(i % cmap.N), "osD^v"[(i // cmap.N) % 5]) for i, a in enumerate(algos)}
+    shown: set[str] = set()
+    panels = []
     for row, fed in zip(axes, feds):
         for ax, field_, label in zip(
             row, ("mb_round", "s_round"), ("MB per round", "seconds per round")
         ):
             none: list[str] = []
-            for i, a in enumerate(algos):
+            points: dict[str, tuple[float, float]] = {}
+            for a in algos:
                 g = groups.get((a, fed))
                 if g is None:
                     continue
@@ -616,11 +654,11 @@ def draw_tradeoff(groups: dict[tuple[str, str], Group], feds: list[str], digits:
                 if x.mean <= 0:  # Local sends nothing: no place on a log axis
                     none.append(a)
                     continue
-                ax.errorbar(x.mean, acc.mean, yerr=acc.std or 0.0, fmt="o", ms=5,
-                            color=cmap(i % cmap.N), capsize=2)  # fmt: skip
-                ax.annotate(a, (x.mean, acc.mean), textcoords="offset points", xytext=(4, 3),
-                            fontsize=7)  # fmt: skip
-                drawn = True
+                color, marker = style[a]
+                ax.errorbar(x.mean, acc.mean, yerr=acc.std or 0.0, fmt=marker, ms=5,
+                            color=color, capsize=2)  # fmt: skip
+                points[a] = (x.mean, acc.mean)
+                shown.add(a)
             ax.set_xscale("log")
             ax.xaxis.set_minor_formatter(NullFormatter())  # no crowded labels inside a decade
             if none:
@@ -628,10 +666,20 @@ def draw_tradeoff(groups: dict[tuple[str, str], Group], feds: list[str], digits:
                         fontsize=7, va="bottom")  # fmt: skip
             ax.set_xlabel(f"{label} (log scale)")
             ax.set_ylabel("personalized accuracy (%)")
-            ax.set_title(fed, fontsize=10)
+            ax.set_title(f"{fed}: labelled, the Pareto front", fontsize=10)
             ax.grid(alpha=0.3, which="both")
-    if not drawn:
+            panels.append((ax, points))
+    if not shown:
         return None
+    handles = [
+        Line2D([], [], color=style[a][0], marker=style[a][1], linestyle="", label=a)
+        for a in algos
+        if a in shown
+    ]
+    fig.legend(handles=handles, loc="outside lower center", ncol=8, fontsize=7, frameon=False)
     fig.suptitle("accuracy against communication and time (mean over seeds; bar: ± std)",
                  fontsize=11)  # fmt: skip
+    fig.draw_without_rendering()  # the final layout, before the labels are measured
+    for ax, points in panels:
+        _label_without_overlap(fig, ax, pareto(points), points)
     return fig
