@@ -357,3 +357,33 @@ def test_leaderboard_script_runs_and_reports_every_column(tmp_path):
         row = next(ln for ln in md.splitlines() if ln.startswith(f"| {algo} | ") and "±" in ln)
         assert f"{100 * np.mean(accs):.2f} ± {100 * np.std(accs, ddof=1):.2f}" in row, row
     assert "| local |" in md and "(reference)" in md and "(not tuned=fmnist_pat2)" in md
+
+
+@pytest.mark.quick
+def test_paper_names_map_to_registry_keys():
+    from fedbench.report.leaderboard import paper_algo
+
+    assert [paper_algo(n) for n in ("FedMGDA+", "S-FedPG", "Separate", "FedROD", "pFedMe")] == [
+        "fedmgda", "sfedpg", "local", "fedrod", "pfedme"
+    ]  # fmt: skip
+    assert paper_algo("FedPG (gamma=0.3)") == "fedpggamma03"  # a variant: no registry key
+
+
+@pytest.mark.quick
+def test_beside_the_papers_table_by_hand(tmp_path, capsys):
+    """On a federation with source-paper columns (fmnist_pat2): each paper's accuracy and its
+    difference from that paper's Separate/Local, and ours from Local paired by seed."""
+    root = tmp_path / "board"
+    accs = {"local": (0.96, 0.95), "fedrep": (0.97, 0.95), "moon": (0.90, 0.91)}
+    for algo, pair in accs.items():
+        for seed, acc in enumerate(pair):
+            write_run(root, "fmnist_pat2", algo, seed, acc, None, tuned="fmnist_pat2")
+    md = report(root, capsys, "--format", "markdown")
+    section = md[md.index("fmnist_pat2 beside the papers") :]
+    head = "| method | DiversiFed I: FMNIST pat-2 | FedPG 1: FMNIST pat-2 (L) | here: fmnist_pat2 |"
+    assert head in section
+    # DiversiFed I: FedRep 96.66, Separate 96.10; FedPG 1 (L): FedRep .992, Local .989;
+    # ours: FedRep - Local = (+1, 0) points over the two seeds: +0.50, interval holds 0
+    assert "| fedrep | 96.66 (+0.56) | 99.20 (+0.30) | 96.00 (+0.50) |" in section
+    assert "| local | 96.10 | 98.90 | 95.50 |" in section
+    assert "moon" not in section.split("\n\n")[1]  # in neither paper's table: no row

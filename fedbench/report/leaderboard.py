@@ -70,6 +70,51 @@ COLUMNS = (
 PERCENT = ("acc", "bottom5", "global")
 
 
+@dataclass(frozen=True)
+class PaperSetting:
+    """A paper table's column of the same kind of federation as a leaderboard one (the same
+    data and kind of label skew; each paper on its own model, clients and budget)."""
+
+    label: str
+    csv: str  # in fedbench/report/paper_tables/
+    dataset: str
+    setting: str
+    scale: float = 1.0  # to percent (FedPG prints fractions)
+
+
+# The source papers' columns beside each federation ("beside the papers" table).
+PAPER_SETTINGS: dict[str, tuple[PaperSetting, ...]] = {
+    "fmnist_pat2": (
+        PaperSetting("DiversiFed I: FMNIST pat-2", "diversifed_table1.csv", "FMNIST", "pat2"),
+        PaperSetting("FedPG 1: FMNIST pat-2 (L)", "fedpg_table1.csv", "FMNIST", "pat2;L", 100.0),
+    ),
+    "fmnist_dir03": (
+        PaperSetting("DiversiFed II: FMNIST Dir 0.1", "diversifed_table2.csv", "FMNIST", "dir0.1"),
+        PaperSetting("DiversiFed II: FMNIST Dir 0.5", "diversifed_table2.csv", "FMNIST", "dir0.5"),
+    ),
+}
+LOCAL_NAMES = ("separate", "local")  # the papers' names for training alone
+
+
+def paper_algo(name: str) -> str:
+    """A paper's method name as a registry key: lower case, letters and digits only
+    ("FedMGDA+" -> fedmgda, "S-FedPG" -> sfedpg, "Separate" -> local); a variant with
+    settings in its name ("FedPG (gamma=0.3)") maps to no key."""
+    key = "".join(ch for ch in name.lower() if ch.isalnum())
+    return "local" if key in LOCAL_NAMES else key
+
+
+def paper_values(setting: PaperSetting) -> dict[str, float]:
+    """algo -> the paper's accuracy in % for one column (accuracy rows only)."""
+    from fedbench.report.presets import paper_csv  # presets imports this module
+
+    out = {}
+    for r in paper_csv(setting.csv):
+        if (r["dataset"], r["setting"], r["metric"]) == (setting.dataset, setting.setting, "acc"):
+            out[paper_algo(r["method"])] = float(r["value"]) * setting.scale
+    return out
+
+
 # --------------------------------------------------------------------------- one run
 @dataclass(frozen=True)
 class RunValues:
@@ -331,6 +376,9 @@ class LeaderboardPreset:
         order = ranks.algos + sorted(a for a in algos if a not in ranks.algos)
         overview = self._overview(groups, order, feds, ranks, select, digits)
         overview.sections = [self._federation(groups, algos, fed, select, digits) for fed in feds]
+        overview.sections += [
+            t for fed in feds if (t := self._papers(groups, fed, select, digits)) is not None
+        ]
         overview.notes += self._notes(groups, ranks, unmatched, feds)
         overview.figures = [
             ("cd", lambda: draw_cd(ranks)),
@@ -455,6 +503,77 @@ class LeaderboardPreset:
                "no CPU time: for them the median over their metrics rows of wall seconds per "
                "round (a pause moves one interval, not the median)")
         )  # fmt: skip
+        return table
+
+    def _papers(self, groups, fed: str, select: str, digits: int) -> Table | None:
+        """Each method's accuracy and its difference from training alone (Local, the papers'
+        Separate) in the source papers' tables of the same kind of federation, beside ours:
+        a sign the papers and this board share, or not. None without such a table."""
+        settings = PAPER_SETTINGS.get(fed, ())
+        papers = [(st, paper_values(st)) for st in settings]
+        present = [a for a, f in groups if f == fed]
+        rows_algos = [a for a in present if any(a in v for _, v in papers)]
+        if not rows_algos:
+            return None
+        means = {a: groups[(a, fed)].cell("acc").mean for a in rows_algos}
+        rows_algos.sort(key=lambda a: (means[a] is None, -(means[a] or 0.0), a))
+        labels = [st.label for st, _ in papers] + [f"here: {fed}"]
+        table = Table(
+            title="",
+            row_keys=["method"],
+            col_keys=["source"],
+            rows=[(a,) for a in rows_algos],
+            cols=[(lab,) for lab in labels],
+            stats=["value"],
+            metric={((a,), "value"): "personal.L.avg" for a in rows_algos},
+            cells={},
+            groups={},
+            select=select,
+            digits=digits,
+            col_labels=labels,
+        )
+        method = default_method()
+        local = groups.get(("local", fed))
+        for a in rows_algos:
+            for (_st, values), lab in zip(papers, labels):
+                key = ((a,), (lab,), "value")
+                if a not in values:
+                    table.texts[key] = "—"
+                    continue
+                v = values[a]
+                ref = values.get("local")
+                diff = None if ref is None or a == "local" else v - ref
+                table.texts[key] = f"{v:.{digits}f}" + (
+                    "" if diff is None else f" ({diff:+.{digits}f})"
+                )
+                table.csv_extra[key] = {"acc": v, "vs_local": diff}
+            key = ((a,), (labels[-1],), "value")
+            cell = groups[(a, fed)].cell("acc", 100.0)
+            text = _mean_std(cell, digits).split(" ±")[0]
+            extra: dict[str, Any] = {"acc": cell.mean}
+            if a != "local" and local is not None:
+                _, d = _difference(groups[(a, fed)], local, False, method, digits)
+                extra.update(d)
+                if "diff" in d:
+                    text += f" ({d['diff']:+.{digits}f}{'*' if d.get('significant') else ''})"
+            if groups[(a, fed)].kinds() == {"global"}:
+                text += " (global model)"
+            table.texts[key] = text
+            table.csv_extra[key] = extra
+        table.title = (
+            f"{fed} beside the papers: accuracy in % (its difference from Local, the papers' "
+            "Separate, in points) in the source papers' tables of the same data and kind of "
+            f"label skew, and here (mean over seeds at the {when_text(select)}; * the paired "
+            "95% interval excludes 0)"
+        )
+        table.notes.append(
+            "each paper on its own model, clients, rounds and hyperparameters (DiversiFed's "
+            "FMNIST: an MLP with 64 hidden units, 40 clients, 500 rounds of E = 10 with Adam; "
+            "FedPG's: an MLP 784-200-200-10, 2000 rounds, L = each client's own test set) and "
+            "one number per method; FedAvg there is the global model (DiversiFed) or as good as "
+            "Local (FedPG), here FedAvg's fine-tuned personal models: compare the differences "
+            "from Local, not from FedAvg"
+        )
         return table
 
     def _notes(self, groups, ranks: Ranking, unmatched, feds) -> list[str]:
