@@ -17,8 +17,12 @@ the run's Hydra choices). The report prints:
   difference from FedAvg and from Local (per seed, with its 95% interval: compare.py), and
   the values of the searched keys the runs used (conf/search/<algo>.yaml; `tuned=<federation>`
   or not);
+- per federation with source-paper tables of its kind (PAPER_SETTINGS), beside the papers:
+  each method's accuracy there and here, as differences from training alone (Local, the
+  papers' Separate), the one reference every paper and this board share;
 - figures (--plots, --html): the critical-difference diagram (cd.png) and accuracy against
-  communication and time (tradeoff.png).
+  communication and time (tradeoff.png: every method in the legend, each panel's Pareto
+  front labelled).
 
 An algorithm without a personalized model is scored by its global model (marked). Seconds
 per round are the runs' CPU time over their rounds (training and evaluation, summary.json's
