@@ -48,6 +48,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -60,6 +61,9 @@ from fedbench.errors import FedbenchError
 from fedbench.paths import CONF_DIR
 
 EXIT_BAD_INPUT = 2
+# How the sampler sees a failed trial: as a finished one with an objective below every
+# finished trial's (study.json's sampler.failed; draw()).
+FAILED_AS = "worst"
 EXIT_FAILED = 1
 NEEDS_OPTUNA = "needs optuna: pip install 'fedbench[optuna]'"
 DEFAULT_OUT = "multirun/tune"
@@ -206,7 +210,12 @@ class Study:
             "seeds": list(self.seeds),
             "rounds": self.rounds,
             "objective": self.objective,
-            "sampler": {"name": "tpe", "seed": self.sampler_seed, "startup": self.startup},
+            "sampler": {
+                "name": "tpe",
+                "seed": self.sampler_seed,
+                "startup": self.startup,
+                "failed": FAILED_AS,
+            },
             "space": {k: d.text for k, d in self.space.items()},
             "overrides": [o for o in self.overrides if _key(o) not in skip],
         }
@@ -331,6 +340,8 @@ def check_identity(study: Study) -> None:
             saved = json.loads(path.read_text())["identity"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise TuneError(f"{path}: unreadable ({e})") from None
+        if isinstance(saved.get("sampler"), dict) and "failed" not in saved["sampler"]:
+            saved = _upgrade(study, path, saved)
         diff = [k for k in sorted(set(saved) | set(ident)) if saved.get(k) != ident.get(k)]
         if diff:
             show = "; ".join(f"{k}: {saved.get(k)} -> {ident.get(k)}" for k in diff)
@@ -340,6 +351,28 @@ def check_identity(study: Study) -> None:
             )
         return
     _write_json(path, {"identity": ident, "created": now()})
+
+
+def _upgrade(study: Study, path: Path, saved: dict[str, Any]) -> dict[str, Any]:
+    """A study.json from before FAILED_AS (its sampler never saw a failed trial). Without a
+    failed trial its draws are the ones FAILED_AS gives (the rule only acts on failures): it
+    is rewritten as such. With one, the trials after the first failed one were drawn under
+    the old rule: refused, naming them."""
+    trials = load_trials(study)
+    first = next((t for t in trials if t.state == "failed"), None)
+    later = [t for t in trials if first is not None and t.number > first.number]
+    if later:
+        names = f"trial_{later[0].number:03d}" + (
+            f" to trial_{later[-1].number:03d}" if len(later) > 1 else ""
+        )
+        raise TuneError(
+            f"{study.folder}: drawn by an older fedbench whose sampler ignored failed trials; "
+            f"trial {first.number + 1} failed, so {names} were drawn without it: move them "
+            "away and run again (they are drawn anew, the failure counted)"
+        )
+    saved = {**saved, "sampler": {**saved["sampler"], "failed": FAILED_AS}}
+    _write_json(path, {**json.loads(path.read_text()), "identity": saved})
+    return saved
 
 
 # --------------------------------------------------------------------------- drawing
@@ -354,8 +387,11 @@ def _optuna():
 
 def draw(study: Study, history: list[Trial]) -> dict[str, Any]:
     """Trial len(history)'s values: TPE (seeded by sampler_seed + the trial's number) over
-    the history's finished trials, the first `startup` at random. A function of the history
-    alone, so an interrupted study draws what an uninterrupted one does."""
+    the history's finished trials, the first `startup` at random. A failed trial (a diverged
+    run) counts as worse than every finished one (FAILED_AS), not as absent: TPE ignores
+    Optuna's FAIL trials and so draws again from a region that just diverged (FedAMP's
+    fmnist_dir03 study, when they were: 7 of its last 8 trials diverged there). A function of
+    the history alone, so an interrupted study draws what an uninterrupted one does."""
     optuna = _optuna()
     number = len(history)
     sampler = optuna.samplers.TPESampler(
@@ -366,17 +402,16 @@ def draw(study: Study, history: list[Trial]) -> dict[str, Any]:
     for dim in study.space.values():
         dim.suggest(scratch)
     dists = dict(scratch.distributions)
-    for t in history:
-        if t.state == "complete":
-            memory.add_trial(
-                optuna.trial.create_trial(params=t.params, distributions=dists, value=t.value)
-            )
-        elif t.state == "failed":
-            memory.add_trial(
-                optuna.trial.create_trial(
-                    params=t.params, distributions=dists, state=optuna.trial.TrialState.FAIL
+    done = [t.value for t in history if t.state == "complete" and t.value is not None]
+    worst = (min(done) if done else 0.0) - 1.0  # FAILED_AS: below every finished trial
+    with warnings.catch_warnings():  # create_trial/add_trial are "experimental" in optuna 2
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        for t in history:
+            if t.state in ("complete", "failed"):
+                value = t.value if t.state == "complete" else worst
+                memory.add_trial(
+                    optuna.trial.create_trial(params=t.params, distributions=dists, value=value)
                 )
-            )
     trial = memory.ask()
     return {k: dim.suggest(trial) for k, dim in study.space.items()}
 
