@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from conftest import CLI_BACKEND, fmnist_available, needs
-from fedbench.report import presets
+from fedbench.report import paper_numbers, presets
 from fedbench.report.cli import main, truncated
 from fedbench.report.collect import find_runs, selected
 from fedbench.report.plots import write_plots
@@ -613,7 +613,7 @@ def test_paper_numbers_come_from_the_shipped_copies_only(monkeypatch, tmp_path):
     try:
         numbers = presets.get("plgu_table2").paper_numbers()
         assert numbers[("FedRep", "CIFAR10 C=10", "avg")].value == "71.32"  # from the poster
-        monkeypatch.setattr(presets, "PACKAGED", tmp_path)
+        monkeypatch.setattr(paper_numbers, "PACKAGED", tmp_path)
         presets.paper_csv.cache_clear()
         with pytest.raises(presets.ReportError, match="plgu_table2.csv not found in"):
             presets.get("plgu_table2").paper_numbers()

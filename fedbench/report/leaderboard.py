@@ -56,6 +56,7 @@ from fedbench.report.collect import (
     when_text,
 )
 from fedbench.report.compare import default_method, paired_interval
+from fedbench.report.paper_numbers import paper_csv
 from fedbench.report.table import Cell, Table, failed_notes, seeds_phrase, tuning_notes
 
 NAME = "leaderboard"
@@ -110,8 +111,6 @@ def paper_algo(name: str) -> str:
 
 def paper_values(setting: PaperSetting) -> dict[str, float]:
     """algo -> the paper's accuracy in % for one column (accuracy rows only)."""
-    from fedbench.report.presets import paper_csv  # presets imports this module
-
     out = {}
     for r in paper_csv(setting.csv):
         if (r["dataset"], r["setting"], r["metric"]) == (setting.dataset, setting.setting, "acc"):

@@ -17,11 +17,8 @@ checks that every file listed there ships, with its row count).
 
 from __future__ import annotations
 
-import csv
 from collections import defaultdict
 from dataclasses import dataclass, field
-from functools import cache
-from pathlib import Path
 from typing import Any
 
 from fedbench.report.collect import (
@@ -32,6 +29,7 @@ from fedbench.report.collect import (
     same_value,
     when_text,
 )
+from fedbench.report.paper_numbers import PACKAGED, paper_csv  # noqa: F401 (presets.PACKAGED)
 from fedbench.report.table import (
     PaperNumber,
     Table,
@@ -41,8 +39,6 @@ from fedbench.report.table import (
     tuning_notes,
     warn_pooled,
 )
-
-PACKAGED = Path(__file__).resolve().parent / "paper_tables"
 
 
 @dataclass(frozen=True)
@@ -233,15 +229,6 @@ def mismatches(run: RunDir, want: dict[str, Any]) -> list[tuple[str, Any]]:
 
 def _plain(v: Any) -> Any:
     return tuple(v) if isinstance(v, list) else v
-
-
-@cache
-def paper_csv(name: str) -> tuple[dict[str, str], ...]:
-    path = PACKAGED / name
-    if not path.is_file():
-        raise ReportError(f"paper table {name} not found in {PACKAGED}")
-    with open(path, newline="") as f:
-        return tuple(csv.DictReader(f))
 
 
 # --------------------------------------------------------------------------- the presets
