@@ -341,7 +341,9 @@ def check_identity(study: Study) -> None:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise TuneError(f"{path}: unreadable ({e})") from None
         if isinstance(saved.get("sampler"), dict) and "failed" not in saved["sampler"]:
-            saved = _upgrade(study, path, saved)
+            upgraded = {**saved, "sampler": {**saved["sampler"], "failed": FAILED_AS}}
+            # rewritten only for a study this command continues (else refused below, unwritten)
+            saved = _upgrade(study, path, upgraded) if upgraded == ident else upgraded
         diff = [k for k in sorted(set(saved) | set(ident)) if saved.get(k) != ident.get(k)]
         if diff:
             show = "; ".join(f"{k}: {saved.get(k)} -> {ident.get(k)}" for k in diff)
@@ -353,11 +355,11 @@ def check_identity(study: Study) -> None:
     _write_json(path, {"identity": ident, "created": now()})
 
 
-def _upgrade(study: Study, path: Path, saved: dict[str, Any]) -> dict[str, Any]:
-    """A study.json from before FAILED_AS (its sampler never saw a failed trial). Without a
-    failed trial its draws are the ones FAILED_AS gives (the rule only acts on failures): it
-    is rewritten as such. With one, the trials after the first failed one were drawn under
-    the old rule: refused, naming them."""
+def _upgrade(study: Study, path: Path, upgraded: dict[str, Any]) -> dict[str, Any]:
+    """A study.json from before FAILED_AS (its sampler never saw a failed trial), as
+    `upgraded` (FAILED_AS added). Without a failed trial its draws are the ones FAILED_AS
+    gives (the rule only acts on failures): it is rewritten as such. With one, the trials
+    after the first failed one were drawn under the old rule: refused, naming them."""
     trials = load_trials(study)
     first = next((t for t in trials if t.state == "failed"), None)
     later = [t for t in trials if first is not None and t.number > first.number]
@@ -370,9 +372,8 @@ def _upgrade(study: Study, path: Path, saved: dict[str, Any]) -> dict[str, Any]:
             f"trial {first.number + 1} failed, so {names} were drawn without it: move them "
             "away and run again (they are drawn anew, the failure counted)"
         )
-    saved = {**saved, "sampler": {**saved["sampler"], "failed": FAILED_AS}}
-    _write_json(path, {**json.loads(path.read_text()), "identity": saved})
-    return saved
+    _write_json(path, {**json.loads(path.read_text()), "identity": upgraded})
+    return upgraded
 
 
 # --------------------------------------------------------------------------- drawing

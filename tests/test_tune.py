@@ -515,6 +515,9 @@ def test_a_study_from_before_the_failed_rule_is_upgraded_or_refused(tmp_path):
     tune.check_identity(s)  # no failure: upgraded
     assert json.loads(path.read_text())["identity"]["sampler"]["failed"] == tune.FAILED_AS
     path.write_text(json.dumps(old))
+    with pytest.raises(tune.TuneError, match="seeds"):  # another study: refused, unwritten
+        tune.check_identity(study(tmp_path, seeds=(100, 101)))
+    assert json.loads(path.read_text()) == old
     tune.write_trial(s, tune.Trial(1, {"optim.lr": 0.4}, state="failed"))
     tune.write_trial(s, tune.Trial(2, {"optim.lr": 0.3}, state="complete", value=0.6))
     tune.write_trial(s, tune.Trial(3, {"optim.lr": 0.2}, state="running"))
