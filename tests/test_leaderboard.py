@@ -346,7 +346,9 @@ def test_leaderboard_script_runs_and_reports_every_column(tmp_path):
         data = (out / "report" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
     page = (out / "leaderboard.html").read_text()
-    assert page.count('<table class="results">') == 2 and 'id="fig-cd"' in page
+    # the overview, the federation's table, and fmnist_pat2 beside the papers
+    assert page.count('<table class="results">') == 3 and 'id="fig-cd"' in page
+    assert "fmnist_pat2 beside the papers" in page
     assert 'id="fig-tradeoff"' in page and "Friedman test" in page
     for algo in ("fedavg", "local", "ditto"):
         accs = []
