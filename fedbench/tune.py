@@ -362,7 +362,7 @@ def _upgrade(study: Study, path: Path, upgraded: dict[str, Any]) -> dict[str, An
     after the first failed one were drawn under the old rule: refused, naming them."""
     trials = load_trials(study)
     first = next((t for t in trials if t.state == "failed"), None)
-    later = [t for t in trials if first is not None and t.number > first.number]
+    later = trials[first.number + 1 :] if first is not None else []  # numbered 0, 1, ...
     if later:
         names = f"trial_{later[0].number:03d}" + (
             f" to trial_{later[-1].number:03d}" if len(later) > 1 else ""

@@ -269,11 +269,11 @@ def _pct(x: float | None, digits: int) -> str:
     return "—" if x is None else f"{100 * x:.{digits}f}"
 
 
-def _mean_std(cell: Cell, digits: int) -> str:
+def _mean_std(cell: Cell, digits: int, std: bool = True) -> str:
     if cell.mean is None:
         return "failed" if cell.failed else "n/a"
     text = f"{cell.mean:.{digits}f}"
-    return text + (f" ± {cell.std:.{digits}f}" if cell.std is not None else "")
+    return text + (f" ± {cell.std:.{digits}f}" if std and cell.std is not None else "")
 
 
 # --------------------------------------------------------------------------- the preset
@@ -552,7 +552,7 @@ class LeaderboardPreset:
                 table.csv_extra[key] = {"acc": v, "vs_local": diff}
             key = ((a,), (labels[-1],), "value")
             cell = groups[(a, fed)].cell("acc", 100.0)
-            text = _mean_std(cell, digits).split(" ±")[0]
+            text = _mean_std(cell, digits, std=False)
             extra: dict[str, Any] = {"acc": cell.mean}
             if a != "local" and local is not None:
                 _, d = _difference(groups[(a, fed)], local, False, method, digits)
@@ -725,19 +725,17 @@ def pareto(points: dict[str, tuple[float, float]]) -> list[str]:
 def _label_without_overlap(fig, ax, names: list[str], points: dict[str, tuple[float, float]]):
     """Annotate `names` in order, each only where its label overlaps no label placed before
     (a crowded cluster of 40 methods would otherwise be unreadable; the legend names every
-    point). Returns the names left unlabelled."""
+    point)."""
     renderer = fig.canvas.get_renderer()
-    placed, skipped = [], []
+    placed = []
     for name in names:
         text = ax.annotate(name, points[name], textcoords="offset points", xytext=(4, 3),
                            fontsize=7)  # fmt: skip
         box = text.get_window_extent(renderer).expanded(1.05, 1.1)
         if any(box.overlaps(b) for b in placed):
             text.remove()
-            skipped.append(name)
         else:
             placed.append(box)
-    return skipped
 
 
 def draw_tradeoff(groups: dict[tuple[str, str], Group], feds: list[str], digits: int):
