@@ -44,10 +44,11 @@ declare -A ABOUT=(
   [compare_methods]="docs/algorithms.md's side by side: 15 methods at their defaults, FMNIST Dir 0.3, BN LeNet, 50 rounds"
   [method_settings]="docs/algorithms.md's notes: MOON's mu, FedCP's lambda, FedDBE's kappa, pFedLA's sign, FMNIST Dir 0.3, 20 rounds"
   [tuned_transfer]="fmnist_pat2's tuned values against the defaults off the leaderboard: pat-3 clients, seeds 10-12, 100 rounds"
+  [tuned_transfer_dir]="fmnist_dir03's tuned values against the defaults off the leaderboard: Dir(0.1) clients, seeds 10-12, 100 rounds"
 )
 ORDER="diversifed_t2_fedavg_seeds diversifed_t2_40 diversifed_seeds_40 diversifed_tau
 fedpg_short fedslr_mlp fedslr_lenet diversifed_prior compare_methods method_settings tuned_transfer
-pfedme_local_500 apple_norm
+tuned_transfer_dir pfedme_local_500 apple_norm
 fedpg_a2_lr"
 
 plan() {  # the sweeps of check $1, each into OUT/$1
@@ -104,6 +105,11 @@ plan() {  # the sweeps of check $1, each into OUT/$1
       # and four references
       sweep +federation=fmnist_pat2 split.classes_per_client=3 tuned=none,fmnist_pat2 \
         algo=fedavg,local,ditto,apfl,fedcp,feddbe,pfedla,cfl seed=10,11,12 "$d" ;;
+    tuned_transfer_dir)  # the same for fmnist_dir03's winners: its clients at Dir(0.1)
+      # instead of Dir(0.3), seeds 10-12; the methods significantly above FedAvg there (but
+      # pFedMe, the costliest), the two with defaults from other settings, and two references
+      sweep +federation=fmnist_dir03 split.alpha=0.1 tuned=none,fmnist_dir03 \
+        algo=fedavg,local,fedpac,fedslr,fedspa,fedala,fedcp,cfl seed=10,11,12 "$d" ;;
     fedpg_a2_lr)
       sweep +experiment=fedpg_table3_fmnist_a2 algo=fedpg optim.lr=0.1,0.05 seed=0 "$d"
       sweep +experiment=fedpg_table3_fmnist_a2 algo=fedpg algo.mu_rule=median optim.lr=0.1 \
