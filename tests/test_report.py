@@ -592,7 +592,7 @@ def test_packaged_paper_tables_match_the_documented_manifest():
     """Every preset's table ships, and the packaged CSVs are exactly the files the
     documentation lists, each with the number of rows it states (one per printed number)."""
     needed = {p.csv for p in presets.PRESETS.values()}
-    shipped = {p.name: p for p in presets.PACKAGED.glob("*.csv")}
+    shipped = {p.name: p for p in paper_numbers.PACKAGED.glob("*.csv")}
     assert needed <= set(shipped)
     listed = {}
     for line in MANIFEST.read_text(encoding="utf-8").splitlines():
@@ -609,16 +609,16 @@ def test_packaged_paper_tables_match_the_documented_manifest():
 def test_paper_numbers_come_from_the_shipped_copies_only(monkeypatch, tmp_path):
     """The report reads fedbench/report/paper_tables/ and nothing outside the package."""
     assert not hasattr(presets, "SHARED")
-    presets.paper_csv.cache_clear()
+    paper_numbers.paper_csv.cache_clear()
     try:
         numbers = presets.get("plgu_table2").paper_numbers()
         assert numbers[("FedRep", "CIFAR10 C=10", "avg")].value == "71.32"  # from the poster
         monkeypatch.setattr(paper_numbers, "PACKAGED", tmp_path)
-        presets.paper_csv.cache_clear()
+        paper_numbers.paper_csv.cache_clear()
         with pytest.raises(presets.ReportError, match="plgu_table2.csv not found in"):
             presets.get("plgu_table2").paper_numbers()
     finally:
-        presets.paper_csv.cache_clear()
+        paper_numbers.paper_csv.cache_clear()
 
 
 @pytest.mark.quick

@@ -34,6 +34,7 @@ import yaml
 
 from fedbench.report import presets
 from fedbench.report.collect import ReportError, RunDir, find_runs, is_accuracy, selected
+from fedbench.report.paper_numbers import paper_csv
 
 GAP = 2.0  # points from the paper beyond which a card must give the reason
 REASONS_FILE = "reasons.yaml"
@@ -191,7 +192,7 @@ def overrides_of(run: RunDir) -> list[str]:
 def _fractions(csv_name: str) -> bool:
     """Whether a paper prints accuracies as fractions (FedPG: .989)."""
     values = []
-    for r in presets.paper_csv(csv_name):
+    for r in paper_csv(csv_name):
         try:
             values.append(float(r["value"]))
         except ValueError:

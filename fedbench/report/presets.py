@@ -29,7 +29,7 @@ from fedbench.report.collect import (
     same_value,
     when_text,
 )
-from fedbench.report.paper_numbers import PACKAGED, paper_csv  # noqa: F401 (presets.PACKAGED)
+from fedbench.report.paper_numbers import paper_csv
 from fedbench.report.table import (
     PaperNumber,
     Table,
